@@ -1,0 +1,62 @@
+"""What every EdgeLoop command line shares: loading settings, printing, failing cleanly."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+
+from shared.errors import EdgeLoopError
+from shared.settings import EdgeLoopSettings
+
+__all__ = ["ConfigOption", "JsonOption", "console", "fail", "load_settings", "print_json"]
+
+S = TypeVar("S", bound=EdgeLoopSettings)
+
+console = Console(stderr=False)
+err_console = Console(stderr=True)
+
+ConfigOption = typer.Option(
+    None, "--config", "-c", help="TOML settings file; EDGELOOP_* variables win over it."
+)
+JsonOption = typer.Option(False, "--json", help="Print the result as JSON.")
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """Print one clear line to stderr and exit with ``code`` (no traceback)."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def load_settings(cls: type[S], config: Path | None, **overrides: Any) -> S:
+    """Load a process's settings or exit with the reason; also sets up logging."""
+    try:
+        settings = cls.load(config, **overrides)
+    except EdgeLoopError as exc:
+        fail(exc.message)
+    logging.basicConfig(
+        level=settings.log_level,
+        format="%(message)s",
+        handlers=[RichHandler(console=err_console, show_path=False, rich_tracebacks=True)],
+    )
+    return settings
+
+
+def print_json(data: Any) -> None:
+    """Print JSON to stdout (plain, so scripts can parse it)."""
+    print(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def settings_view(settings: EdgeLoopSettings) -> dict[str, Any]:
+    """The effective settings as JSON-able values, secrets redacted."""
+    data = settings.model_dump(mode="json")
+    for key, value in list(data.items()):
+        if value is not None and ("password" in key or "secret" in key or "token" in key):
+            data[key] = "***"
+    data["database_url"] = settings.resolved_database_url
+    return data

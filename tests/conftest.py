@@ -1,0 +1,202 @@
+"""Test harness: real services, started once per session.
+
+- ``broker``: the machine's Mosquitto at 127.0.0.1:1883 when it answers, else the
+  embedded amqtt broker (a laptop without services still runs the suite).
+- ``database_url``: each test gets a fresh database, on PostgreSQL at
+  127.0.0.1:5432 when it answers and always on SQLite; tests that take it run on
+  both. Set ``EDGELOOP_TEST_POSTGRES_URL`` to point elsewhere.
+- ``mosquitto``: a private Mosquitto on a free port that a test may stop and
+  start (outages, restarts), for tests that need to take the broker away.
+- ``topics``: a topic namespace derived from the test's name, so tests sharing a
+  broker never see each other's messages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from shared.broker import EmbeddedBroker, free_port
+from shared.mqtt import MqttTarget, negotiate_protocol
+from shared.topics import Topics
+
+POSTGRES_ADMIN_URL = os.environ.get(
+    "EDGELOOP_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+SYSTEM_BROKER = ("127.0.0.1", 1883)
+
+
+def _answers(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class BrokerInfo:
+    """A broker the tests can reach."""
+
+    url: str
+    kind: str  # "mosquitto" or "embedded"
+    protocol: str  # "5" or "3.1.1"
+
+    @property
+    def target(self) -> MqttTarget:
+        return MqttTarget.parse(self.url)
+
+    @property
+    def supports_shared_subscriptions(self) -> bool:
+        return self.protocol == "5"
+
+
+@pytest.fixture(scope="session")
+def broker() -> Iterator[BrokerInfo]:
+    """The machine's Mosquitto if it answers, else an embedded broker."""
+    if _answers(*SYSTEM_BROKER):
+        url = f"mqtt://{SYSTEM_BROKER[0]}:{SYSTEM_BROKER[1]}"
+        yield BrokerInfo(url, "mosquitto", negotiate_protocol(MqttTarget.parse(url)))
+        return
+    with EmbeddedBroker() as embedded:
+        yield BrokerInfo(embedded.url, "embedded", "3.1.1")
+
+
+@pytest.fixture(scope="session")
+def embedded_broker() -> Iterator[EmbeddedBroker]:
+    """The embedded broker itself, for tests of the embedded mode."""
+    with EmbeddedBroker() as embedded:
+        yield embedded
+
+
+def _slug(nodeid: str) -> str:
+    name = re.sub(r"[^a-z0-9_-]+", "-", nodeid.split("::")[-1].lower()).strip("-")[:40] or "t"
+    digest = hashlib.sha1(nodeid.encode()).hexdigest()[:8]
+    return f"{name}-{digest}"
+
+
+@pytest.fixture
+def topics(request: pytest.FixtureRequest) -> Topics:
+    """A topic namespace unique to this test (and this run)."""
+    return Topics(prefix=f"edgeloop-test/{_slug(request.node.nodeid)}-{uuid.uuid4().hex[:6]}/v1")
+
+
+# --- databases ---------------------------------------------------------------
+
+
+def _postgres_available() -> bool:
+    from sqlalchemy.engine import make_url
+
+    url = make_url(POSTGRES_ADMIN_URL)
+    return _answers(url.host or "127.0.0.1", url.port or 5432)
+
+
+def _fresh_postgres_database(test_name: str) -> Iterator[str]:
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = f"edgeloop_{_slug(test_name).replace('-', '_')}_{uuid.uuid4().hex[:6]}"[:63]
+    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+        yield make_url(POSTGRES_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, empty database: SQLite always, PostgreSQL when it answers."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'edgeloop.db'}"
+        return
+    if not _postgres_available():
+        pytest.skip(f"PostgreSQL not reachable at {POSTGRES_ADMIN_URL}; SQLite covers this test")
+    yield from _fresh_postgres_database(request.node.nodeid)
+
+
+# --- a private Mosquitto, for outages ---------------------------------------
+
+
+def _mosquitto_binary() -> str | None:
+    return shutil.which("mosquitto") or (
+        "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
+    )
+
+
+class MosquittoProcess:
+    """A Mosquitto the test owns: ``start()``, ``stop()``, ``restart()``, on a fixed port."""
+
+    def __init__(self, workdir: Path, extra_config: str = "") -> None:
+        binary = _mosquitto_binary()
+        if binary is None:
+            pytest.skip("mosquitto is not installed (make test installs it when run as root)")
+        self.binary = binary
+        self.port = free_port()
+        self.workdir = workdir
+        self.config = workdir / "mosquitto.conf"
+        self.config.write_text(
+            f"listener {self.port} 127.0.0.1\n"
+            "allow_anonymous true\n"
+            "set_tcp_nodelay true\n"
+            "persistence true\n"
+            f"persistence_location {workdir}/\n"
+            "max_queued_messages 100000\n"
+            f"log_dest file {workdir}/mosquitto.log\n" + extra_config
+        )
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> None:
+        self.process = subprocess.Popen(
+            [self.binary, "-c", str(self.config)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout
+        while not _answers("127.0.0.1", self.port, 0.2):
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                raise RuntimeError(f"mosquitto did not start on port {self.port}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self.process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture
+def mosquitto(tmp_path: Path) -> Iterator[MosquittoProcess]:
+    """A private, running Mosquitto that the test may stop and start again."""
+    process = MosquittoProcess(tmp_path)
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
