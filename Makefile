@@ -11,8 +11,10 @@ TORCH_PIN   ?= torch==2.13.0
 STAMP_RUN   := $(VENV)/.installed-run
 STAMP_DEV   := $(VENV)/.installed-dev
 PYTEST_ARGS ?=
+DEMO_ARGS   ?=
+BENCH_ARGS  ?=
 
-.PHONY: demo test bench lint venv install install-dev system-deps gpu-check clean help
+.PHONY: demo test bench lint venv install install-dev system-deps clean help
 
 help:
 	@echo "make demo   - run the loop on embedded defaults (embedded broker, SQLite, local folders)"
@@ -44,8 +46,6 @@ SYSTEM_PACKAGES := mosquitto chromium chromium-driver
 system-deps:
 	@missing=""; \
 	command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || missing="$$missing mosquitto"; \
-	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
-	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
 		echo "installing system packages:$$missing"; \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null) \
@@ -53,21 +53,18 @@ system-deps:
 	fi
 
 demo: install
-	$(VENV)/bin/edgeloop demo
+	$(VENV)/bin/edgeloop demo $(DEMO_ARGS)
 
 test: install-dev system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: install-dev
-	$(PY) -m bench.run
+	$(PY) -m bench.run $(BENCH_ARGS)
 
 lint: install-dev
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy shared edge_agent cloud_service distill kernels simulations
-
-gpu-check:
-	bash scripts/gpu-check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

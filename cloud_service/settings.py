@@ -34,5 +34,7 @@ class CloudSettings(EdgeLoopSettings):
     def production_problems(self) -> list[str]:
         problems = super().production_problems()
         if self.session_secret.get_secret_value() == DEV_SESSION_SECRET:
-            problems.append("the session secret is the development default: set EDGELOOP_SESSION_SECRET")
+            problems.append(
+                "the session secret is the development default: set EDGELOOP_SESSION_SECRET"
+            )
         return problems

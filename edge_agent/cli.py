@@ -9,7 +9,9 @@ import typer
 from edge_agent.settings import AgentSettings
 from shared.console import ConfigOption, JsonOption, load_settings, print_json, settings_view
 
-app = typer.Typer(help="EdgeLoop edge agent: quantized student on camera frames.", no_args_is_help=True)
+app = typer.Typer(
+    help="EdgeLoop edge agent: quantized student on camera frames.", no_args_is_help=True
+)
 
 
 @app.command("settings")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import re
 import socket
+from collections.abc import Callable
 
 from pydantic import Field, field_validator
 
+from shared.errors import InvalidIdError
 from shared.settings import EdgeLoopSettings
 from shared.topics import validate_id
 
@@ -17,6 +19,14 @@ def default_agent_id() -> str:
     """The host name, lowered and reduced to the characters an agent id accepts."""
     name = re.sub(r"[^a-z0-9_-]+", "-", socket.gethostname().lower()).strip("-_")
     return (name or "agent")[:64]
+
+
+def _as_value_error(check: Callable[[str, str], str], value: str, kind: str) -> str:
+    # pydantic reports ValueErrors with the field's name; our own errors would escape raw.
+    try:
+        return check(value, kind)
+    except InvalidIdError as exc:
+        raise ValueError(exc.message) from exc
 
 
 class AgentSettings(EdgeLoopSettings):
@@ -33,12 +43,12 @@ class AgentSettings(EdgeLoopSettings):
     @field_validator("fleet")
     @classmethod
     def _check_fleet(cls, value: str) -> str:
-        return validate_id(value, "fleet")
+        return _as_value_error(validate_id, value, "fleet")
 
     @field_validator("agent_id")
     @classmethod
     def _check_agent(cls, value: str) -> str:
-        return validate_id(value, "agent")
+        return _as_value_error(validate_id, value, "agent")
 
     def production_problems(self) -> list[str]:
         problems = super().production_problems()

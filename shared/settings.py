@@ -134,9 +134,7 @@ class EdgeLoopSettings(BaseSettings):
                 "or credentials in EDGELOOP_MQTT_URL"
             )
         if not target.tls and target.host not in _LOOPBACK:
-            problems.append(
-                f"the broker at {target.host} is reached without TLS: use mqtts://"
-            )
+            problems.append(f"the broker at {target.host} is reached without TLS: use mqtts://")
         if self.resolved_database_url.startswith("sqlite"):
             problems.append("SQLite is the development database: set EDGELOOP_DATABASE_URL")
         return problems

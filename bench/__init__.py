@@ -1,0 +1,1 @@
+"""EdgeLoop benchmarks: `make bench` (python -m bench.run)."""

@@ -1,0 +1,317 @@
+"""Training, read top to bottom: data, model, then the loop (forward, loss, backward, step,
+evaluate, checkpoint). One ``TrainConfig`` holds every knob.
+
+The loss is cross-entropy on the hard label, or, when teacher scores are given,
+Hinton distillation::
+
+    loss = alpha * T^2 * KL(softmax(teacher / T) || softmax(student / T)) + (1 - alpha) * CE(label)
+
+Teacher scores are the probabilities the exported models emit. The softened
+teacher distribution is recovered from them exactly, since
+``softmax(z / T) = p^(1/T) / sum(p^(1/T))`` for ``p = softmax(z)``.
+
+Determinism: given the seed, data order, augmentation and initialisation are fixed;
+torch's CPU kernels are deterministic at a fixed thread count.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from torch import nn
+
+from distill.drift import apply_drift_frame, random_drift_spec
+from distill.frames import FrameSet
+from distill.models import ModelMeta, build_model, frames_to_input, save_checkpoint, torch_threads
+from shared.errors import DataError, ModelError
+
+__all__ = [
+    "Role",
+    "TrainConfig",
+    "TrainResult",
+    "distillation_loss",
+    "evaluate_net",
+    "soften",
+    "train",
+]
+
+Role = Literal["teacher", "student"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every knob of a training run. All fields except ``threads`` go into cache keys."""
+
+    role: Role = "student"
+    arch: str = ""  # "" picks the role's architecture
+    width: float = 1.0
+    epochs: int = 12
+    batch_size: int = 128
+    lr: float = 3e-3
+    weight_decay: float = 5e-4
+    label_smoothing: float = 0.0
+    seed: int = 0
+    frame_size: int = 64
+    # Drift augmentation (the teacher's): each training frame gets a random mix of
+    # drifts at random severities; ``p_clean`` of them stay clean.
+    augment_drift: bool = False
+    p_clean: float = 0.3
+    # Distillation, used when teacher scores are passed to ``train``.
+    temperature: float = 4.0
+    alpha: float = 0.7
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.role not in ("teacher", "student"):
+            raise ModelError(f"role must be 'teacher' or 'student', got {self.role!r}")
+        if not self.arch:
+            object.__setattr__(self, "arch", f"{self.role}-cnn")
+        for name in ("epochs", "batch_size", "frame_size", "threads"):
+            if getattr(self, name) < 1:
+                raise ModelError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0 or self.temperature <= 0 or not 0.0 <= self.alpha <= 1.0:
+            raise ModelError("lr and temperature must be > 0 and alpha in [0, 1]")
+
+    @classmethod
+    def for_role(cls, role: Role, **overrides: Any) -> TrainConfig:
+        """The reference knobs for a role; the teacher trains longer, on drifted frames."""
+        if role == "teacher":
+            base = cls(role="teacher", epochs=18, lr=2e-3, augment_drift=True)
+        else:
+            base = cls(role="student", epochs=15, lr=3e-3)
+        return replace(base, **overrides)
+
+    def cache_fields(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("threads")
+        return d
+
+
+@dataclass
+class TrainResult:
+    net: nn.Module  # best weights by validation score, eval mode
+    config: TrainConfig
+    metrics: dict[str, Any]
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------
+# Pieces the loop uses
+
+
+def soften(probs: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Teacher probabilities -> the teacher's distribution at temperature T."""
+    logp = torch.log(probs.clamp_min(1e-8)) / temperature
+    return torch.softmax(logp, dim=1)
+
+
+def distillation_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    teacher_probs: torch.Tensor | None,
+    *,
+    temperature: float,
+    alpha: float,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """CE on hard labels; plus the T^2-scaled KL to the teacher when its scores are given."""
+    ce = F.cross_entropy(logits, labels, label_smoothing=label_smoothing)
+    if teacher_probs is None:
+        return ce
+    t = temperature
+    kl = F.kl_div(
+        F.log_softmax(logits / t, dim=1), soften(teacher_probs, t), reduction="batchmean"
+    )
+    return alpha * t * t * kl + (1.0 - alpha) * ce
+
+
+@torch.inference_mode()
+def evaluate_net(net: nn.Module, frames: np.ndarray, labels: np.ndarray, batch_size: int = 256) -> float:
+    """Top-1 accuracy of a network on uint8 NHWC frames."""
+    was_training = net.training
+    net.eval()
+    correct = 0
+    for i in range(0, len(frames), batch_size):
+        logits = net(frames_to_input(frames[i : i + batch_size]))
+        correct += int((logits.argmax(1).numpy() == labels[i : i + batch_size]).sum())
+    net.train(was_training)
+    return correct / max(1, len(frames))
+
+
+def _augment(
+    frames: np.ndarray, masks: np.ndarray | None, rng: np.random.Generator, p_clean: float
+) -> np.ndarray:
+    out = frames.copy()
+    for i in range(len(frames)):
+        spec = random_drift_spec(rng, p_clean=p_clean)
+        if spec:
+            seed = [int(x) for x in rng.integers(0, 2**31, size=2)]
+            out[i] = apply_drift_frame(frames[i], spec, seed, None if masks is None else masks[i])
+    return out
+
+
+def _progress(enabled: bool, console: Console | None) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console or Console(stderr=True),
+        disable=not enabled,
+        transient=False,
+    )
+
+
+# ---------------------------------------------------------------------------------
+# The run
+
+
+def train(
+    config: TrainConfig,
+    train_set: FrameSet,
+    val_set: FrameSet | None = None,
+    *,
+    soft_targets: np.ndarray | None = None,
+    checkpoint: Path | None = None,
+    name: str = "edgeloop-model",
+    version: str = "0",
+    progress: bool = True,
+    console: Console | None = None,
+) -> TrainResult:
+    """Train one model on ``train_set``; keep the weights that score best on ``val_set``."""
+    started = time.perf_counter()
+    cfg = config
+
+    # -- data --------------------------------------------------------------------
+    if len(train_set) == 0:
+        raise DataError("the training set is empty")
+    if train_set.frame_size != cfg.frame_size:
+        raise DataError(
+            f"training frames are {train_set.frame_size} px but the config says {cfg.frame_size}"
+        )
+    if soft_targets is not None and soft_targets.shape != (len(train_set), train_set.num_classes):
+        raise DataError(
+            f"teacher scores must be [{len(train_set)}, {train_set.num_classes}],"
+            f" got {soft_targets.shape}"
+        )
+    x_train = train_set.frames  # uint8 [N, H, W, 3]
+    y_train = torch.tensor(train_set.labels, dtype=torch.int64)
+    teacher = None if soft_targets is None else torch.from_numpy(soft_targets.astype(np.float32))
+    rng = np.random.default_rng([cfg.seed, 31337])
+    torch.manual_seed(cfg.seed)
+    # Validation under drift: one fixed random mix, so scores compare across epochs.
+    val_drifted = None
+    if val_set is not None and cfg.augment_drift:
+        val_rng = np.random.default_rng([cfg.seed, 2718])
+        val_drifted = _augment(val_set.frames, val_set.masks, val_rng, p_clean=0.0)
+
+    # -- model -------------------------------------------------------------------
+    net = build_model(cfg.arch, train_set.num_classes, cfg.width)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps_per_epoch = (len(x_train) + cfg.batch_size - 1) // cfg.batch_size
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=cfg.lr, total_steps=cfg.epochs * steps_per_epoch, pct_start=0.15
+    )
+    best_score, best_state, best_epoch = -1.0, copy.deepcopy(net.state_dict()), 0
+    history: list[dict[str, float]] = []
+    meta = ModelMeta(
+        arch=cfg.arch,
+        num_classes=train_set.num_classes,
+        class_names=train_set.class_names,
+        frame_size=cfg.frame_size,
+        width=cfg.width,
+        name=name,
+        version=version,
+        train_config=cfg.cache_fields(),
+    )
+
+    # -- loop --------------------------------------------------------------------
+    with torch_threads(cfg.threads), _progress(progress, console) as bar:
+        task = bar.add_task(f"train {cfg.role}", total=cfg.epochs * steps_per_epoch, status="")
+        for epoch in range(1, cfg.epochs + 1):
+            net.train()
+            order = rng.permutation(len(x_train))
+            seen, loss_sum = 0, 0.0
+            for step in range(steps_per_epoch):
+                idx = np.sort(order[step * cfg.batch_size : (step + 1) * cfg.batch_size])
+                frames = x_train[idx]  # uint8 [B, H, W, 3]
+                if cfg.augment_drift:
+                    masks = None if train_set.masks is None else train_set.masks[idx]
+                    frames = _augment(frames, masks, rng, cfg.p_clean)
+                x = frames_to_input(frames)  # float [B, 3, H, W]
+                y = y_train[idx]  # [B]
+
+                logits = net(x)  # [B, classes]
+                loss = distillation_loss(
+                    logits,
+                    y,
+                    None if teacher is None else teacher[idx],
+                    temperature=cfg.temperature,
+                    alpha=cfg.alpha,
+                    label_smoothing=cfg.label_smoothing,
+                )
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+
+                seen += len(idx)
+                loss_sum += loss.item() * len(idx)
+                bar.update(task, advance=1, status=f"epoch {epoch} loss {loss_sum / seen:.3f}")
+
+            # evaluate
+            record = {"epoch": float(epoch), "loss": loss_sum / seen}
+            score = -record["loss"]  # without validation data, the lowest loss wins
+            if val_set is not None:
+                record["val_acc"] = evaluate_net(net, val_set.frames, val_set.labels)
+                score = record["val_acc"]
+                if val_drifted is not None:
+                    record["val_acc_drift"] = evaluate_net(net, val_drifted, val_set.labels)
+                    score = (record["val_acc"] + record["val_acc_drift"]) / 2
+            history.append(record)
+            bar.update(
+                task,
+                status=" ".join(f"{k} {v:.3f}" for k, v in record.items() if k != "epoch"),
+            )
+
+            # checkpoint
+            if score > best_score:
+                best_score, best_epoch = score, epoch
+                best_state = copy.deepcopy(net.state_dict())
+                if checkpoint is not None:
+                    save_checkpoint(checkpoint, net, meta)
+
+    net.load_state_dict(best_state)
+    net.eval()
+    wall = time.perf_counter() - started
+    best = history[best_epoch - 1]
+    metrics: dict[str, Any] = {
+        "role": cfg.role,
+        "arch": cfg.arch,
+        "best_epoch": best_epoch,
+        "epochs": cfg.epochs,
+        "train_frames": len(train_set),
+        "train_wall_s": round(wall, 2),
+        "frames_per_s": round(cfg.epochs * len(train_set) / wall, 1),
+        "distilled": teacher is not None,
+        **{k: v for k, v in best.items() if k != "epoch"},
+    }
+    return TrainResult(net=net, config=cfg, metrics=metrics, history=history)

@@ -1,0 +1,106 @@
+"""Image format and size from the first bytes of a JPEG or PNG, without decoding pixels.
+
+Used to check an envelope's image against its header and its pixel limit before
+anything expensive runs. PNG: the signature and the IHDR chunk (CRC checked).
+JPEG: the marker segments up to the first SOFn (baseline, extended, progressive,
+lossless, arithmetic), skipping APPn/DQT/DHT/... segments by their lengths.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Literal
+
+from shared.errors import ImageFormatError
+
+__all__ = ["ImageFormat", "ImageInfo", "probe_image"]
+
+ImageFormat = Literal["jpeg", "png"]
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_MAX_DIMENSION = 2**31 - 1
+_PNG_BIT_DEPTHS = {0: {1, 2, 4, 8, 16}, 2: {8, 16}, 3: {1, 2, 4, 8}, 4: {8, 16}, 6: {8, 16}}
+# Start-of-frame markers: C0-CF except C4 (DHT), C8 (JPG extension), CC (DAC).
+_JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+# Markers that stand alone, without a length: TEM and RST0-RST7.
+_JPEG_STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    """Format and dimensions of an encoded image."""
+
+    format: ImageFormat
+    width: int
+    height: int
+
+    @property
+    def pixels(self) -> int:
+        """Number of pixels (width times height)."""
+        return self.width * self.height
+
+
+def probe_image(data: bytes) -> ImageInfo:
+    """Return the format and size of a JPEG or PNG image, or raise ImageFormatError."""
+    view = memoryview(data)
+    if view[:8] == _PNG_SIGNATURE:
+        return _probe_png(view)
+    if view[:2] == b"\xff\xd8":
+        return _probe_jpeg(view)
+    raise ImageFormatError("expected a JPEG or PNG image: the bytes start with neither signature")
+
+
+def _probe_png(view: memoryview) -> ImageInfo:
+    if len(view) < 33:
+        raise ImageFormatError("PNG image truncated before the end of its IHDR chunk")
+    length, chunk_type = struct.unpack_from(">I4s", view, 8)
+    if chunk_type != b"IHDR" or length != 13:
+        raise ImageFormatError("PNG image does not start with a valid IHDR chunk")
+    (crc,) = struct.unpack_from(">I", view, 29)
+    if zlib.crc32(view[12:29]) != crc:
+        raise ImageFormatError("PNG IHDR chunk fails its CRC")
+    width, height, depth, color = struct.unpack_from(">IIBB", view, 16)
+    if not (0 < width <= _PNG_MAX_DIMENSION and 0 < height <= _PNG_MAX_DIMENSION):
+        raise ImageFormatError(f"PNG image has an invalid size {width}x{height}")
+    if depth not in _PNG_BIT_DEPTHS.get(color, set()):
+        raise ImageFormatError(f"PNG image has an invalid color type {color}/bit depth {depth}")
+    return ImageInfo("png", width, height)
+
+
+def _probe_jpeg(view: memoryview) -> ImageInfo:
+    pos = 2
+    end = len(view)
+    while True:
+        if pos >= end:
+            raise ImageFormatError("JPEG image truncated before its frame (SOF) marker")
+        if view[pos] != 0xFF:
+            raise ImageFormatError(f"JPEG image is malformed: expected a marker at byte {pos}")
+        while pos < end and view[pos] == 0xFF:  # any number of fill bytes
+            pos += 1
+        if pos >= end:
+            raise ImageFormatError("JPEG image truncated before its frame (SOF) marker")
+        marker = view[pos]
+        pos += 1
+        if marker in _JPEG_STANDALONE:
+            continue
+        if marker in (0x00, 0xD8, 0xD9, 0xDA):
+            # Stuffed zero, a second SOI, EOI or scan data before any frame header.
+            raise ImageFormatError(
+                f"JPEG image is malformed: marker 0x{marker:02X} before the frame (SOF) marker"
+            )
+        if pos + 2 > end:
+            raise ImageFormatError("JPEG image truncated inside a marker segment")
+        (length,) = struct.unpack_from(">H", view, pos)
+        if length < 2:
+            raise ImageFormatError(f"JPEG marker 0x{marker:02X} has an invalid length {length}")
+        if marker in _JPEG_SOF:
+            if length < 8 or pos + 7 > end:
+                raise ImageFormatError("JPEG image truncated inside its frame (SOF) header")
+            height, width = struct.unpack_from(">HH", view, pos + 3)
+            if width == 0 or height == 0:
+                # Height 0 means "given later by a DNL marker"; cameras don't write that.
+                raise ImageFormatError(f"JPEG image has an unsupported size {width}x{height}")
+            return ImageInfo("jpeg", width, height)
+        pos += length

@@ -1,0 +1,408 @@
+"""Model manifests, their canonical bytes, and ed25519 fleet signatures.
+
+A manifest names one model artifact and everything an agent checks before it
+installs it (ARCHITECTURE.md, "Model artifacts"). The cloud signs the manifest's
+canonical bytes with the fleet's private key; an agent verifies them against the
+public key it was enrolled with.
+
+Canonical bytes: the manifest as JSON with sorted keys, separators ``,`` and
+``:``, no ASCII escaping, UTF-8, field aliases, ``None`` fields left out,
+timestamps as ISO 8601 UTC with ``Z`` and numbers as Python's ``json`` writes
+them. ``encode_message`` writes an announcement's manifest in exactly this form,
+and ``verify_manifest_bytes`` requires it, so changing any byte of a received
+announcement makes it fail.
+
+Signatures cover the manifest object as received, not this receiver's parsed view
+of it, so a manifest with fields added by a newer cloud still verifies here.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import math
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from shared.errors import ConfigError, EdgeLoopError, SignatureError
+from shared.ids import UtcDatetime
+from shared.topics import validate_id
+
+if TYPE_CHECKING:
+    from shared.messages import ModelAnnouncement
+
+__all__ = [
+    "FleetSigningKey",
+    "GoldenCase",
+    "InputSpec",
+    "ModelManifest",
+    "canonical_json",
+    "canonical_manifest_bytes",
+    "key_id_for",
+    "sha256_file",
+    "sign_manifest",
+    "verify_announcement",
+    "verify_manifest_bytes",
+]
+
+# Frozen, finite floats, and unknown fields ignored: a newer sender may add
+# optional fields without a new major version, and an older receiver keeps working.
+# Announcements are decoded with strict=True (no "3" for 3, no numbers for times).
+_CONFIG = ConfigDict(
+    frozen=True,
+    extra="ignore",
+    populate_by_name=True,
+    protected_namespaces=(),
+    allow_inf_nan=False,
+)
+
+_VERSION_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_RUNTIME_RE = re.compile(r"[0-9]{1,6}(\.[0-9]{1,6}){0,3}")
+_AXIS_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,31}")
+_URL_RE = re.compile(r"(https?://[^\s/]+)?/\S*")
+_SIGNATURE_BYTES = 64
+_PUBLIC_KEY_BYTES = 32
+
+
+def _pydantic_check(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Adapt a validator that raises our errors to pydantic, which wants ValueError."""
+
+    def run(value: Any) -> Any:
+        try:
+            return check(value)
+        except EdgeLoopError as exc:
+            raise ValueError(exc.message) from None
+
+    return run
+
+
+def _check_version(value: str) -> str:
+    if not _VERSION_RE.fullmatch(value):
+        raise ValueError(
+            "version must be 1-64 characters of a-z, 0-9, '.', '_' and '-',"
+            " starting with a letter or digit"
+        )
+    return value
+
+
+def _check_text(value: str) -> str:
+    if any(ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F for ch in value):
+        raise ValueError("text must not contain control characters")
+    return value
+
+
+def _check_b64(value: str) -> str:
+    _strict_b64decode(value)  # raises ValueError
+    return value
+
+
+ModelName = Annotated[str, AfterValidator(_pydantic_check(lambda v: validate_id(v, "model")))]
+Version = Annotated[str, AfterValidator(_check_version)]
+Text = Annotated[str, Field(min_length=1, max_length=128), AfterValidator(_check_text)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def _strict_b64decode(value: str) -> bytes:
+    """Decode standard base64, refusing any text but the one canonical encoding."""
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("not valid base64") from None
+    if base64.b64encode(raw).decode("ascii") != value:
+        raise ValueError("not canonical base64")
+    return raw
+
+
+class InputSpec(BaseModel):
+    """The model input: name, shape (dynamic axes named), dtype, layout, preprocessing.
+
+    Preprocessing per channel: ``(pixel * scale - mean) / std``.
+    """
+
+    model_config = _CONFIG
+
+    name: Text
+    shape: list[Annotated[int, Field(ge=1, le=2**31 - 1)] | str] = Field(min_length=1, max_length=8)
+    dtype: Literal["uint8", "int8", "float16", "float32"]
+    layout: Literal["NHWC", "NCHW"] = "NHWC"
+    color: Literal["RGB", "BGR", "GRAY"] = "RGB"
+    mean: list[FiniteFloat] = Field(default_factory=lambda: [0.0, 0.0, 0.0], max_length=4)
+    std: list[Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
+        default_factory=lambda: [1.0, 1.0, 1.0], max_length=4
+    )
+    scale: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
+
+    @model_validator(mode="after")
+    def _check(self) -> InputSpec:
+        for axis in self.shape:
+            if isinstance(axis, str) and not _AXIS_RE.fullmatch(axis):
+                raise ValueError(f"dynamic axis name {axis!r} is not an identifier")
+        if not self.mean or len(self.mean) != len(self.std):
+            raise ValueError("mean and std need one value per channel, the same number of each")
+        return self
+
+
+class GoldenCase(BaseModel):
+    """A golden input (raw uint8 array, base64) and the scores the model must give for it."""
+
+    model_config = _CONFIG
+
+    input: Annotated[str, AfterValidator(_check_b64)]
+    shape: list[Annotated[int, Field(ge=1)]] = Field(min_length=1, max_length=8)
+    expected: list[list[FiniteFloat]] = Field(min_length=1, max_length=64)
+    atol: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1e-3
+
+    @model_validator(mode="after")
+    def _check(self) -> GoldenCase:
+        if len(self.input_bytes()) != math.prod(self.shape):
+            raise ValueError(
+                f"input holds {len(self.input_bytes())} bytes but shape {self.shape}"
+                f" needs {math.prod(self.shape)}"
+            )
+        if len(self.expected) != self.shape[0]:
+            raise ValueError("expected needs one row of scores per input in the batch")
+        return self
+
+    def input_bytes(self) -> bytes:
+        """The raw uint8 input array, in row-major order."""
+        return base64.b64decode(self.input)
+
+
+class ModelManifest(BaseModel):
+    """What an announcement says about one model artifact."""
+
+    model_config = _CONFIG
+
+    name: ModelName
+    version: Version
+    format: Literal["fp32", "int8"]
+    sha256: Annotated[str, Field(pattern=f"^{_SHA256_RE.pattern}$")]
+    size_bytes: Annotated[int, Field(gt=0)]
+    url: Annotated[str, Field(min_length=1, max_length=2048, pattern=f"^{_URL_RE.pattern}$")]
+    input: InputSpec
+    output_name: Text
+    labels: list[Text] = Field(min_length=2, max_length=1000)
+    opset: Annotated[int, Field(ge=1, le=1000)]
+    min_runtime_version: Annotated[str, Field(pattern=f"^{_RUNTIME_RE.pattern}$")]
+    golden: list[GoldenCase] = Field(min_length=1, max_length=16)
+    created_at: UtcDatetime
+    parent_version: Version | None = None
+    metrics: dict[Annotated[str, Field(min_length=1, max_length=64)], FiniteFloat] = Field(
+        default_factory=dict, max_length=64
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelManifest:
+        if len(set(self.labels)) != len(self.labels):
+            raise ValueError("labels must be unique")
+        for index, case in enumerate(self.golden):
+            if len(case.shape) != len(self.input.shape):
+                raise ValueError(f"golden[{index}] has shape {case.shape}, not the input's rank")
+            for axis, (got, want) in enumerate(zip(case.shape, self.input.shape, strict=True)):
+                if isinstance(want, int) and got != want:
+                    raise ValueError(
+                        f"golden[{index}] axis {axis} is {got}, the input needs {want}"
+                    )
+            for row in case.expected:
+                if len(row) != len(self.labels):
+                    raise ValueError(
+                        f"golden[{index}] expects {len(row)} scores per input,"
+                        f" but there are {len(self.labels)} labels"
+                    )
+        return self
+
+
+def canonical_json(value: Any) -> bytes:
+    """JSON-compatible ``value`` as canonical bytes: sorted keys, compact, UTF-8."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def canonical_manifest_bytes(manifest: ModelManifest) -> bytes:
+    """The bytes a manifest's signature covers; the same in every process."""
+    return canonical_json(manifest.model_dump(mode="json", by_alias=True, exclude_none=True))
+
+
+def _key_id(public_raw: bytes) -> str:
+    return hashlib.sha256(public_raw).hexdigest()[:16]
+
+
+def _public_key_bytes(public_key_b64: str) -> bytes:
+    try:
+        raw = _strict_b64decode(public_key_b64)
+    except (ValueError, TypeError):
+        raw = b""
+    if len(raw) != _PUBLIC_KEY_BYTES:
+        raise ConfigError(
+            "fleet public key is not valid: expected the base64 of a raw 32-byte ed25519 key"
+        )
+    return raw
+
+
+def key_id_for(public_key_b64: str) -> str:
+    """The key id (16 hex digits of the key's sha256) of a base64 ed25519 public key."""
+    return _key_id(_public_key_bytes(public_key_b64))
+
+
+class FleetSigningKey:
+    """A fleet's ed25519 private key, which signs model manifests."""
+
+    def __init__(self, private_key: Ed25519PrivateKey) -> None:
+        self._private_key = private_key
+        self._public_raw = private_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+
+    @classmethod
+    def generate(cls) -> FleetSigningKey:
+        """A new random key."""
+        return cls(Ed25519PrivateKey.generate())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> FleetSigningKey:
+        """Read a key saved by ``save`` (unencrypted PKCS#8 PEM)."""
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the fleet signing key {path}: {exc.strerror}") from exc
+        try:
+            key = serialization.load_pem_private_key(data, password=None)
+        except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+            raise ConfigError(f"{path} is not an unencrypted PEM (PKCS#8) private key") from exc
+        if not isinstance(key, Ed25519PrivateKey):
+            raise ConfigError(f"{path} holds a {type(key).__name__}, not an ed25519 key")
+        return cls(key)
+
+    def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
+        """Write the key as PKCS#8 PEM, readable by the owner only (mode 0600)."""
+        path = Path(path)
+        if path.exists() and not overwrite:
+            # Replacing a fleet key locks out every agent enrolled with the old one.
+            raise ConfigError(f"{path} exists; pass overwrite=True to replace the fleet key")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pem = self._private_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        # mkstemp creates the file with mode 0600, so the key is never readable by
+        # others, not even between the write and the rename.
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(pem)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @property
+    def public_key_raw(self) -> bytes:
+        """The raw 32-byte public key."""
+        return self._public_raw
+
+    @property
+    def public_key_b64(self) -> str:
+        """The public key as base64 of its raw 32 bytes (what agents are enrolled with)."""
+        return base64.b64encode(self._public_raw).decode("ascii")
+
+    @property
+    def key_id(self) -> str:
+        """The first 16 hex digits of the sha256 of the raw public key."""
+        return _key_id(self._public_raw)
+
+    def sign(self, data: bytes) -> bytes:
+        """The 64-byte ed25519 signature of ``data``."""
+        return self._private_key.sign(data)
+
+    def __repr__(self) -> str:
+        return f"FleetSigningKey(key_id={self.key_id!r})"
+
+    def __reduce__(self) -> Any:
+        # Keep private keys out of pickles (multiprocessing, caches) by accident.
+        raise TypeError("FleetSigningKey cannot be pickled; save() it to a file instead")
+
+
+def sign_manifest(manifest: ModelManifest, key: FleetSigningKey) -> ModelAnnouncement:
+    """An announcement of ``manifest`` signed with the fleet key."""
+    # shared.messages imports this module for ModelManifest; import it late.
+    from shared.messages import ModelAnnouncement
+
+    signature = key.sign(canonical_manifest_bytes(manifest))
+    return ModelAnnouncement(
+        manifest=manifest,
+        signature=base64.b64encode(signature).decode("ascii"),
+        key_id=key.key_id,
+    )
+
+
+def verify_announcement(announcement: ModelAnnouncement, public_key_b64: str) -> ModelManifest:
+    """Return the manifest if the announcement's signature is valid, else raise SignatureError.
+
+    A malformed ``public_key_b64`` is this receiver's configuration, so ConfigError.
+    """
+    public_raw = _public_key_bytes(public_key_b64)
+    trusted_id = _key_id(public_raw)
+    if announcement.key_id != trusted_id:
+        raise SignatureError(
+            f"announcement is signed with key {announcement.key_id[:32]!r}, but this fleet"
+            f" trusts key {trusted_id!r}"
+        )
+    try:
+        signature = _strict_b64decode(announcement.signature)
+    except ValueError as exc:
+        raise SignatureError(f"announcement signature is {exc}") from None
+    if len(signature) != _SIGNATURE_BYTES:
+        raise SignatureError(
+            f"announcement signature has {len(signature)} bytes; ed25519 signatures have 64"
+        )
+    try:
+        Ed25519PublicKey.from_public_bytes(public_raw).verify(
+            signature, announcement.signed_bytes()
+        )
+    except InvalidSignature as exc:
+        raise SignatureError(
+            f"signature of model {announcement.manifest.name} {announcement.manifest.version}"
+            " does not verify against the fleet key"
+        ) from exc
+    return announcement.manifest
+
+
+def verify_manifest_bytes(
+    raw_announcement: bytes, public_key_b64: str, *, max_bytes: int = 65536
+) -> ModelManifest:
+    """Decode an announcement as received and verify it; raises MessageError or SignatureError."""
+    from shared.messages import ModelAnnouncement, decode_message
+
+    raw = bytes(raw_announcement)
+    announcement = decode_message(raw, ModelAnnouncement, max_bytes=max_bytes)
+    manifest = verify_announcement(announcement, public_key_b64)
+    # The signature covers the manifest's parsed content; requiring its canonical
+    # form on the wire also refuses byte changes that parse to the same content
+    # ("1E-05" for "1e-05", a lowercase "z" in a timestamp).
+    if announcement.signed_bytes() not in raw:
+        raise SignatureError("announcement's manifest is not in canonical form")
+    return manifest
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """The sha256 of a file's contents, as 64 lowercase hex digits."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()

@@ -1,0 +1,451 @@
+"""The JSON messages that travel over MQTT, and how they are encoded and checked.
+
+Every message carries ``schema`` (its name, such as ``edgeloop.sample``) and ``v``
+(an integer major version). ``decode_message`` refuses, in this order and before
+pydantic runs: an oversized payload, bytes that are not a JSON object, another or
+a missing ``schema``, a ``v`` that is not an integer, and a ``v`` newer than this
+receiver's; then the fields are validated.
+
+Choices worth knowing:
+
+* Unknown fields are ignored, not refused, so a sender may add optional fields
+  within a major version and older receivers keep working. A change that older
+  receivers would misread bumps ``v``. Re-encoding a decoded message drops the
+  fields this receiver does not know; forward the bytes as received instead.
+* Decoding is strict: no ``"3"`` for 3, no ``true`` for 1, no numbers for
+  timestamps. Building a message in code is lax (numpy scalars and arrays are
+  accepted and converted). Floats must be finite; timestamps need a time zone
+  and are kept in UTC.
+* Scores and confidences are carried with ``SCORE_DIGITS`` (4) significant
+  digits, a relative error of at most 5e-4: enough to rank classes, compute
+  margins and calibration, and to show; full-precision scores stay where they
+  were computed. Ten scores at float64 precision would take ~200 bytes of a
+  ~500-byte sample header; at four digits they take ~80. Values are rounded when
+  a message is built, so decoding an encoded message gives an equal message.
+* Encoding is compact JSON with sorted keys, UTF-8, aliases (``schema``), and
+  ``None`` fields left out; the same function gives a manifest's canonical bytes
+  (``shared.manifest``).
+
+Constructing a message in code with bad values raises pydantic's
+``ValidationError`` (a programming error); only untrusted input through
+``decode_message``/``decode_any`` is turned into ``MessageError``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from shared.errors import (
+    EdgeLoopError,
+    MessageError,
+    MessageValidationError,
+    UnknownSchemaError,
+    UnsupportedVersionError,
+)
+from shared.ids import UtcDatetime, validate_sample_id
+from shared.manifest import ModelManifest, canonical_json, canonical_manifest_bytes
+from shared.topics import validate_id
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "MESSAGE_TYPES",
+    "SCORE_DIGITS",
+    "AgentStatus",
+    "Message",
+    "MessageData",
+    "ModelAnnouncement",
+    "ModelStatus",
+    "Receipt",
+    "RouteReason",
+    "SampleHeader",
+    "Verdict",
+    "decode_any",
+    "decode_message",
+    "encode_message",
+]
+
+DEFAULT_MAX_MESSAGE_BYTES = 65536
+SCORE_DIGITS = 4
+M = TypeVar("M", bound="Message")
+# What decode_message reads: JSON as bytes or text, or an already parsed object.
+MessageData = bytes | bytearray | memoryview | str | Mapping[str, Any]
+
+# Frozen; finite floats; unknown fields ignored (see the module docstring). Not
+# strict here: decode_message validates with strict=True, code may pass numpy values.
+_CONFIG = ConfigDict(
+    frozen=True,
+    extra="ignore",
+    populate_by_name=True,
+    protected_namespaces=(),
+    allow_inf_nan=False,
+)
+
+RouteReason = Literal["low_confidence", "margin", "entropy", "class_threshold", "audit", "manual"]
+
+
+def _pydantic(check: Any, *args: Any) -> Any:
+    """Wrap a validator raising our errors into one raising ValueError (what pydantic wants)."""
+
+    def run(value: Any) -> Any:
+        try:
+            return check(value, *args)
+        except EdgeLoopError as exc:
+            raise ValueError(exc.message) from None
+
+    return run
+
+
+def _no_control_chars(value: str) -> str:
+    if any(ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F for ch in value):
+        raise ValueError("text must not contain control characters")
+    return value
+
+
+def _round_score(value: float) -> float:
+    """Round to SCORE_DIGITS significant digits (the shortest JSON form of that value)."""
+    rounded = float(f"{value:.{SCORE_DIGITS}g}")
+    if not math.isfinite(rounded):  # 1.7977e308 rounds up to infinity
+        raise ValueError("value is too large")
+    return rounded
+
+
+SampleId = Annotated[str, AfterValidator(_pydantic(validate_sample_id))]
+FleetId = Annotated[str, AfterValidator(_pydantic(validate_id, "fleet"))]
+AgentId = Annotated[str, AfterValidator(_pydantic(validate_id, "agent"))]
+ShortText = Annotated[str, Field(min_length=1, max_length=128), AfterValidator(_no_control_chars)]
+Score = Annotated[float, AfterValidator(_round_score)]
+Scores = Annotated[list[Score], Field(min_length=1, max_length=1000)]
+Confidence = Annotated[float, Field(ge=0.0, le=1.0), AfterValidator(_round_score)]
+Rate = Annotated[float, Field(ge=0.0, le=1.0)]
+NonNegative = Annotated[float, Field(ge=0.0)]
+Count = Annotated[int, Field(ge=0)]
+Dimension = Annotated[int, Field(ge=1, le=2**31 - 1)]
+
+
+class Message(BaseModel):
+    """Base of every message: ``schema`` (name) and ``v`` (major version), filled in by default."""
+
+    model_config = _CONFIG
+
+    SCHEMA: ClassVar[str] = ""
+    VERSION: ClassVar[int] = 1
+
+    schema_name: str = Field(default="", alias="schema")
+    v: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_schema_and_version(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            has_schema = "schema" in data or "schema_name" in data
+            if not has_schema or "v" not in data:
+                data = dict(data)
+                if not has_schema:
+                    data["schema"] = cls.SCHEMA
+                data.setdefault("v", cls.VERSION)
+        return data
+
+    @field_validator("schema_name")
+    @classmethod
+    def _check_schema(cls, value: str) -> str:
+        if value != cls.SCHEMA:
+            raise ValueError(f"schema must be {cls.SCHEMA!r}")
+        return value
+
+    @field_validator("v")
+    @classmethod
+    def _check_v(cls, value: int) -> int:
+        if not 1 <= value <= cls.VERSION:
+            raise ValueError(f"v must be between 1 and {cls.VERSION}")
+        return value
+
+
+class SampleHeader(Message):
+    """What the cloud needs to know about a sample, sent ahead of its image bytes."""
+
+    SCHEMA: ClassVar[str] = "edgeloop.sample"
+    VERSION: ClassVar[int] = 1
+
+    sample_id: SampleId
+    fleet: FleetId
+    agent: AgentId
+    captured_at: UtcDatetime
+    model_name: ShortText
+    model_version: ShortText
+    scores: Scores
+    predicted: Count
+    confidence: Confidence
+    route_reason: RouteReason
+    priority: Annotated[int, Field(ge=0, le=9)] = 5
+    image_format: Literal["jpeg", "png"]
+    image_width: Dimension
+    image_height: Dimension
+    image_bytes: Annotated[int, Field(ge=1)]
+    meta: dict[
+        Annotated[str, Field(min_length=1, max_length=256)],
+        Annotated[str, Field(max_length=256)],
+    ] = Field(default_factory=dict, max_length=16)
+
+    @model_validator(mode="after")
+    def _check_predicted(self) -> SampleHeader:
+        if self.predicted >= len(self.scores):
+            raise ValueError(f"predicted {self.predicted} is not an index into the scores")
+        return self
+
+
+class Receipt(Message):
+    """The cloud has durably stored these samples; the agent may drop them from its spool."""
+
+    SCHEMA: ClassVar[str] = "edgeloop.receipt"
+    VERSION: ClassVar[int] = 1
+
+    sample_ids: list[SampleId] = Field(min_length=1, max_length=1000)
+    stored_at: UtcDatetime
+
+
+class Verdict(Message):
+    """The teacher's answer for one sample."""
+
+    SCHEMA: ClassVar[str] = "edgeloop.verdict"
+    VERSION: ClassVar[int] = 1
+
+    sample_id: SampleId
+    fleet: FleetId
+    agent: AgentId
+    teacher_model: ShortText
+    teacher_version: ShortText
+    scores: Scores
+    label: Count
+    confidence: Confidence
+    agrees_with_edge: bool
+    review: bool = False
+    review_reasons: list[ShortText] = Field(default_factory=list, max_length=16)
+    verified_at: UtcDatetime
+
+    @model_validator(mode="after")
+    def _check_label(self) -> Verdict:
+        if self.label >= len(self.scores):
+            raise ValueError(f"label {self.label} is not an index into the scores")
+        return self
+
+
+class AgentStatus(Message):
+    """An agent's heartbeat and telemetry (retained), or its last will ("offline")."""
+
+    SCHEMA: ClassVar[str] = "edgeloop.status"
+    VERSION: ClassVar[int] = 1
+
+    fleet: FleetId
+    agent: AgentId
+    state: Literal["online", "offline"]
+    sent_at: UtcDatetime
+    model_version: ShortText | None = None
+    provider: ShortText | None = None
+    frames_per_s: NonNegative | None = None
+    latency_p50_ms: NonNegative | None = None
+    latency_p99_ms: NonNegative | None = None
+    forward_rate: Rate | None = None
+    spool_depth: Count | None = None
+    dropped_frames: Count | None = None
+    agreement_rate: Rate | None = None
+    cpu_percent: NonNegative | None = None
+    memory_mb: NonNegative | None = None
+    gpu: dict[Annotated[str, Field(min_length=1, max_length=64)], float] | None = Field(
+        default=None, max_length=16
+    )
+
+
+class ModelStatus(Message):
+    """One step of a model update on an agent."""
+
+    SCHEMA: ClassVar[str] = "edgeloop.model-status"
+    VERSION: ClassVar[int] = 1
+
+    fleet: FleetId
+    agent: AgentId
+    model_name: ShortText
+    model_version: ShortText
+    state: Literal["downloaded", "verified", "active", "rejected", "rolled-back"]
+    reason: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+    at: UtcDatetime
+
+
+class ModelAnnouncement(Message):
+    """A signed model manifest, retained on a fleet's or an agent's models topic."""
+
+    SCHEMA: ClassVar[str] = "edgeloop.model-announcement"
+    VERSION: ClassVar[int] = 1
+
+    manifest: ModelManifest
+    signature: Annotated[str, Field(min_length=1, max_length=256)]
+    key_id: Annotated[str, Field(min_length=1, max_length=64)]
+
+    # The bytes the signature covers: the manifest object as received (unknown
+    # fields included), else this manifest's canonical bytes.
+    _signed: bytes = PrivateAttr(default=b"")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_signed_bytes(
+        cls, data: Any, handler: ModelWrapValidatorHandler[ModelAnnouncement]
+    ) -> ModelAnnouncement:
+        announcement = handler(data)
+        raw = data.get("manifest") if isinstance(data, Mapping) else None
+        signed = None
+        if isinstance(raw, Mapping):
+            try:
+                signed = canonical_json(raw)
+            except UnicodeEncodeError:
+                raise ValueError("manifest holds text that is not valid Unicode") from None
+            except (TypeError, ValueError):
+                signed = None  # not JSON data (a model_dump in Python mode): use the model
+        announcement._signed = signed or canonical_manifest_bytes(announcement.manifest)
+        return announcement
+
+    def signed_bytes(self) -> bytes:
+        """The bytes the signature covers."""
+        return self._signed
+
+
+MESSAGE_TYPES: Mapping[str, type[Message]] = MappingProxyType(
+    {
+        cls.SCHEMA: cls
+        for cls in (SampleHeader, Receipt, Verdict, AgentStatus, ModelStatus, ModelAnnouncement)
+    }
+)
+
+# A JSON "\ud800"-style escape can decode to a lone surrogate, which no UTF-8
+# encoder accepts; such text is refused at the door rather than when re-encoded.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def encode_message(message: Message) -> bytes:
+    """A message as compact UTF-8 JSON (sorted keys, aliases, no None fields)."""
+    return canonical_json(message.model_dump(mode="json", by_alias=True, exclude_none=True))
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 70 else text[:70] + "..."
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _load_object(data: MessageData, max_bytes: int) -> dict[str, Any]:
+    """Return the JSON object in ``data``, checking its size first."""
+    if isinstance(data, Mapping):
+        return dict(data)
+    if isinstance(data, str):
+        raw: bytes | bytearray | memoryview = data.encode("utf-8", "surrogatepass")
+    elif isinstance(data, (bytes, bytearray, memoryview)):
+        raw = data
+    else:
+        raise MessageValidationError(f"expected JSON bytes, got {type(data).__name__}")
+    size = raw.nbytes if isinstance(raw, memoryview) else len(raw)
+    if size > max_bytes:
+        raise MessageError(
+            f"message of {size} bytes is over the limit of {max_bytes}", reason="too_large"
+        )
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MessageValidationError(f"message is not UTF-8 (byte {exc.start})") from None
+    try:
+        obj = json.loads(text, parse_constant=_refuse_constant)
+        if _SURROGATE_ESCAPE.search(text):
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except json.JSONDecodeError as exc:
+        raise MessageValidationError(
+            f"message is not valid JSON: {exc.msg} at character {exc.pos}"
+        ) from None
+    except UnicodeEncodeError:
+        raise MessageValidationError("message holds text that is not valid Unicode") from None
+    except (ValueError, RecursionError) as exc:
+        # Non-finite constants, integers too long to convert, absurd nesting.
+        raise MessageValidationError(f"message is not acceptable JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise MessageValidationError(f"message is JSON {type(obj).__name__}, not an object")
+    return obj
+
+
+def _check_version(obj: Mapping[str, Any], cls: type[Message]) -> None:
+    v = obj.get("v")
+    if type(v) is not int:  # bool is an int subclass; refuse it too
+        raise MessageValidationError(f"{cls.SCHEMA} message needs an integer 'v', got {_shown(v)}")
+    if v > cls.VERSION:
+        raise UnsupportedVersionError(
+            f"{cls.SCHEMA} version {v} is newer than this receiver supports"
+            f" (newest supported: {cls.VERSION})"
+        )
+    if v < 1:
+        raise MessageValidationError(f"{cls.SCHEMA} version {v} is not valid: versions start at 1")
+
+
+def _validate(obj: Mapping[str, Any], cls: type[M]) -> M:
+    try:
+        return cls.model_validate(obj, strict=True)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False)
+        parts = [
+            f"{'.'.join(str(p) for p in err['loc']) or '(message)'}: {err['msg']}"
+            for err in errors[:3]
+        ]
+        more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+        raise MessageValidationError(
+            f"{cls.SCHEMA} message is not valid: {'; '.join(parts)}{more}"
+        ) from exc
+
+
+def decode_message(
+    data: MessageData,
+    expected: type[M],
+    *,
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> M:
+    """Decode and check one message of the ``expected`` type; raise MessageError if unfit.
+
+    ``data`` is JSON (bytes or text, at most ``max_bytes`` as UTF-8) or an already
+    parsed mapping, which is taken as is (no size check).
+    """
+    obj = _load_object(data, max_bytes)
+    received = obj.get("schema")
+    if received != expected.SCHEMA:
+        if "schema" not in obj:
+            raise UnknownSchemaError(f"message has no 'schema'; expected {expected.SCHEMA!r}")
+        raise UnknownSchemaError(
+            f"expected schema {expected.SCHEMA!r}, received {_shown(received)}"
+        )
+    _check_version(obj, expected)
+    return _validate(obj, expected)
+
+
+def decode_any(data: MessageData, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
+    """Decode a message of any known schema; raise MessageError if unfit."""
+    obj = _load_object(data, max_bytes)
+    received = obj.get("schema")
+    cls = MESSAGE_TYPES.get(received) if isinstance(received, str) else None
+    if cls is None:
+        raise UnknownSchemaError(
+            f"unknown schema {_shown(received)}; known: {', '.join(sorted(MESSAGE_TYPES))}"
+        )
+    _check_version(obj, cls)
+    return _validate(obj, cls)
