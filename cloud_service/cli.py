@@ -25,6 +25,93 @@ from shared.manifest import FleetSigningKey
 app = typer.Typer(help="EdgeLoop cloud service: ingest, verifier, API.", no_args_is_help=True)
 keys_app = typer.Typer(help="The fleet's model-signing key.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
+tokens_app = typer.Typer(help="One-time agent enrollment tokens.", no_args_is_help=True)
+app.add_typer(tokens_app, name="tokens")
+
+HostOption = typer.Option(None, "--host", help="Address to listen on (settings: http_host).")
+
+
+def _serve(which: str, config: Path | None, host: str | None, port: int | None) -> None:
+    from cloud_service import service
+
+    settings = load_settings(CloudSettings, config)
+    run = {"api": service.run_api, "verifier": service.run_verifier, "all": service.run_all}[which]
+    default_port = settings.http_port + (1 if which == "verifier" else 0)
+    try:
+        run(settings, host=host or settings.http_host, port=default_port if port is None else port)
+    except EdgeLoopError as exc:
+        fail(exc.message)
+
+
+@app.command("api")
+def api_command(
+    config: Path | None = ConfigOption,
+    host: str | None = HostOption,
+    port: int | None = typer.Option(None, "--port", help="Port (settings: http_port)."),
+) -> None:
+    """Run the REST API (enrollment, samples, verdicts, labels, stats, KServe V2)."""
+    _serve("api", config, host, port)
+
+
+@app.command("verifier")
+def verifier_command(
+    config: Path | None = ConfigOption,
+    host: str | None = HostOption,
+    port: int | None = typer.Option(
+        None, "--port", help="Port of /healthz, /readyz, /metrics (settings: http_port + 1)."
+    ),
+) -> None:
+    """Run MQTT ingest and the teacher with dynamic batching."""
+    _serve("verifier", config, host, port)
+
+
+@app.command("all")
+def all_command(
+    config: Path | None = ConfigOption,
+    host: str | None = HostOption,
+    port: int | None = typer.Option(None, "--port", help="Port (settings: http_port)."),
+) -> None:
+    """Run the API and the verifier in one process (one host)."""
+    _serve("all", config, host, port)
+
+
+@tokens_app.command("create")
+def create_token_command(
+    fleet: str = typer.Option(..., "--fleet", help="Fleet the agent joins."),
+    agent: str | None = typer.Option(None, "--agent", help="Agent id the token is bound to."),
+    ttl_s: int | None = typer.Option(None, "--ttl", help="Seconds the token is valid."),
+    config: Path | None = ConfigOption,
+    as_json: bool = JsonOption,
+) -> None:
+    """Create a one-time enrollment token (printed once; only its hash is stored)."""
+    from cloud_service.db import crud
+    from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
+    from shared.topics import validate_id
+
+    settings = load_settings(CloudSettings, config)
+    try:
+        validate_id(fleet, "fleet")
+        if agent is not None:
+            validate_id(agent, "agent")
+        url = settings.resolved_database_url
+        upgrade_database(url)
+        engine = make_engine(url)
+        with make_session_factory(engine).begin() as session:
+            token, expires_at = crud.create_enrollment_token(
+                session=session,
+                fleet=fleet,
+                agent_id=agent,
+                ttl_s=ttl_s or settings.enrollment_ttl_s,
+            )
+        engine.dispose()
+    except EdgeLoopError as exc:
+        fail(exc.message)
+    result = {"token": token, "expires_at": expires_at.isoformat(), "fleet": fleet, "agent": agent}
+    if as_json:
+        print_json(result)
+        return
+    console.print(f"enrollment token (shown once): [bold]{token}[/]")
+    console.print(f"fleet {fleet}, agent {agent or '(agent chooses)'}, expires {expires_at}")
 
 
 @app.command("settings")

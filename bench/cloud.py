@@ -1,0 +1,303 @@
+"""Cloud verifier: dynamic batching, serving overhead, and end to end through Mosquitto.
+
+Three goals, each a ratio measured side by side in one run (medians of repeats):
+
+* batching: verifier throughput at saturation with dynamic batching (max batch 32)
+  against the same batcher limited to batch size 1 (goal >= 4x);
+* serving efficiency: batcher throughput against the raw ONNX Runtime session
+  called in a loop at the same batch size (goal >= 0.85, 1.0 is the limit);
+* end to end: samples/s from publish to stored verdict, through Mosquitto into
+  PostgreSQL (SQLite when PostgreSQL is not reachable), against raw Mosquitto
+  publish/subscribe of the same payloads; then p50/p99 capture-to-verdict latency
+  at half of the measured maximum rate.
+
+The teacher is a seeded teacher-like model (``cloud_service.demo_teacher``: conv
+stem and 2048-wide dense layers, 64x64 input), so the figures do not depend on
+the reference models being trained.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paho.mqtt.client as mqtt
+from sqlalchemy import create_engine, func, select, text
+from sqlalchemy.engine import make_url
+
+from bench.common import markdown_table, median_seconds
+from bench.envelope import typical_sample
+from cloud_service.batcher import BatcherConfig, DynamicBatcher
+from cloud_service.db.models import Sample, Verdict
+from cloud_service.demo_teacher import build_demo_teacher
+from cloud_service.settings import CloudSettings
+from cloud_service.verifier import TeacherModel
+from cloud_service.worker import VerifierWorker
+from shared.envelope import encode_envelope
+from shared.ids import new_sample_id
+from shared.mqtt import MqttTarget, make_client, negotiate_protocol
+from shared.topics import Topics
+
+SIZE = 64
+BATCH = 32
+POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+BROKER = "mqtt://127.0.0.1:1883"
+
+
+def _frames(n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return list(rng.integers(0, 255, (n, SIZE, SIZE, 3), dtype=np.uint8))
+
+
+def _batcher_throughput(teacher: TeacherModel, frames: list[np.ndarray], max_batch: int) -> float:
+    config = BatcherConfig(max_batch_size=max_batch, max_queue_delay_s=0.002, instances=1)
+    with DynamicBatcher(teacher.predict_many, config) as batcher:
+
+        def once() -> None:
+            futures = [batcher.submit(f, shape=f.shape) for f in frames]
+            for future in futures:
+                future.result(60)
+
+        seconds = median_seconds(once, repeats=5, warmup=1)
+    return len(frames) / seconds
+
+
+def _raw_throughput(teacher: TeacherModel, frames: list[np.ndarray], batch: int) -> float:
+    batches = [np.stack(frames[i : i + batch]) for i in range(0, len(frames), batch)]
+
+    def once() -> None:
+        for b in batches:
+            teacher.predict(b)
+
+    return len(frames) / median_seconds(once, repeats=5, warmup=1)
+
+
+def _database() -> tuple[str, Any]:
+    """A fresh PostgreSQL database if one answers, else a SQLite file; and its cleanup."""
+    name = f"edgeloop_bench_{uuid.uuid4().hex[:8]}"
+    try:
+        admin = create_engine(POSTGRES, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception:  # no PostgreSQL here: SQLite keeps the bench running
+        path = Path(tempfile.mkdtemp()) / "bench.db"
+        return f"sqlite:///{path}", lambda: None
+
+    def drop() -> None:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+    url = make_url(POSTGRES).set(database=name).render_as_string(hide_password=False)
+    return url, drop
+
+
+def _envelopes(n: int, fleet: str, agent: str) -> list[bytes]:
+    header, image = typical_sample(SIZE)
+    out = []
+    for _ in range(n):
+        h = header.model_copy(update={"sample_id": new_sample_id(), "fleet": fleet, "agent": agent})
+        out.append(encode_envelope(h, image))
+    return out
+
+
+def _publisher(protocol: Any) -> mqtt.Client:
+    target = MqttTarget.parse(BROKER)
+    client = make_client(target, client_id=f"bench-pub-{uuid.uuid4().hex[:6]}", protocol=protocol)
+    client.max_inflight_messages_set(1000)
+    client.max_queued_messages_set(0)
+    client.connect(target.host, target.port)
+    client.loop_start()
+    return client
+
+
+def _raw_pubsub(payloads: list[bytes], protocol: Any) -> float:
+    """Messages/s of plain QoS 1 publish -> subscribe of the same payloads."""
+    target = MqttTarget.parse(BROKER)
+    topic = f"bench-raw/{uuid.uuid4().hex[:8]}/samples"
+    got = threading.Event()
+    count = [0]
+
+    def on_message(client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        count[0] += 1
+        if count[0] >= len(payloads):
+            got.set()
+
+    sub = make_client(target, client_id=f"bench-sub-{uuid.uuid4().hex[:6]}", protocol=protocol)
+    sub.on_message = on_message
+    sub.connect(target.host, target.port)
+    sub.loop_start()
+    sub.subscribe(topic, qos=1)
+    time.sleep(0.3)
+    pub = _publisher(protocol)
+    start = time.perf_counter()
+    for payload in payloads:
+        pub.publish(topic, payload, qos=1)
+    got.wait(60)
+    elapsed = time.perf_counter() - start
+    for c in (pub, sub):
+        c.disconnect()
+        c.loop_stop()
+    return count[0] / elapsed
+
+
+def _count(engine: Any, model: Any, prefix_fleet: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.scalar(select(func.count()).select_from(model)) or 0)
+
+
+def _end_to_end(
+    worker: VerifierWorker, engine: Any, topics: Topics, n: int, rate: float | None, protocol: Any
+) -> tuple[float, list[float]]:
+    """Publish n samples (at ``rate``/s, or as fast as possible); seconds until all verified."""
+    fleet, agent = "bench", f"cam-{uuid.uuid4().hex[:6]}"
+    payloads = _envelopes(n, fleet, agent)
+    before = worker.counts["verdicts"]
+    pub = _publisher(protocol)
+    topic = topics.samples(fleet, agent)
+    start = time.perf_counter()
+    for i, payload in enumerate(payloads):
+        if rate:
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+        pub.publish(topic, payload, qos=1)
+    deadline = time.monotonic() + 120
+    while worker.counts["verdicts"] - before < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+    elapsed = time.perf_counter() - start
+    pub.disconnect()
+    pub.loop_stop()
+    with engine.connect() as conn:
+        latencies = [
+            float(x)
+            for x in conn.scalars(
+                select(Verdict.latency_s)
+                .join(Sample, Sample.sample_id == Verdict.sample_id)
+                .where(Sample.agent_id == agent)
+            ).all()
+        ]
+    return elapsed, latencies
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="edgeloop-bench-cloud-"))
+    model = build_demo_teacher(workdir / "teacher.onnx", size=SIZE, hidden=2048, seed=0)
+    teacher = TeacherModel(model)
+    n_frames = 256 if quick else 512
+    frames = _frames(n_frames)
+
+    batched = _batcher_throughput(teacher, frames, BATCH)
+    single = _batcher_throughput(teacher, frames, 1)
+    raw = _raw_throughput(teacher, frames, BATCH)
+    raw_single = _raw_throughput(teacher, frames, 1)
+
+    figures: dict[str, Any] = {
+        "batcher_img_per_s_batch32": round(batched, 1),
+        "batcher_img_per_s_batch1": round(single, 1),
+        "raw_ort_img_per_s_batch32": round(raw, 1),
+        "raw_ort_img_per_s_batch1": round(raw_single, 1),
+        "batching_speedup": round(batched / single, 2),
+        "serving_efficiency": round(batched / raw, 3),
+        "provider": teacher.info.provider,
+    }
+    tables = [
+        markdown_table(
+            ["path", "batch", "images/s"],
+            [
+                ["raw ORT session", 1, raw_single],
+                ["dynamic batcher", 1, single],
+                ["raw ORT session", BATCH, raw],
+                ["dynamic batcher", BATCH, batched],
+            ],
+        ),
+        markdown_table(
+            ["goal", "measured", "target"],
+            [
+                ["batching speedup (batch 32 / batch 1)", figures["batching_speedup"], ">= 4"],
+                [
+                    "serving efficiency (batcher / raw ORT)",
+                    figures["serving_efficiency"],
+                    ">= 0.85",
+                ],
+            ],
+        ),
+    ]
+
+    # End to end: Mosquitto -> verifier -> PostgreSQL.
+    target = MqttTarget.parse(BROKER)
+    try:
+        protocol = negotiate_protocol(target)
+    except Exception as exc:  # no broker: report the in-process figures only
+        figures["end_to_end"] = f"skipped: {exc}"
+        return {"figures": figures, "tables": tables}
+    url, drop = _database()
+    topics = Topics(prefix=f"bench-{uuid.uuid4().hex[:8]}/v1")
+    settings = CloudSettings(
+        data_dir=workdir / "data",
+        database_url=url,
+        mqtt_url=BROKER,
+        topic_prefix=topics.prefix,
+        teacher_model=model,
+        verifier_client_id=f"bench-verifier-{uuid.uuid4().hex[:6]}",
+        mqtt_session_expiry_s=0,
+        max_batch_size=BATCH,
+        max_queue_delay_ms=2.0,
+        review_audit_share=0.02,
+    )
+    engine = create_engine(url)
+    n = 300 if quick else 600
+    repeats = 5
+    try:
+        with VerifierWorker(settings) as worker:
+            _end_to_end(worker, engine, topics, 100, None, protocol)  # warm-up
+            rates = []
+            for _ in range(repeats):
+                elapsed, _lat = _end_to_end(worker, engine, topics, n, None, protocol)
+                rates.append(n / elapsed)
+            e2e = statistics.median(rates)
+            half = e2e / 2
+            lat_runs = []
+            for _ in range(3 if quick else 5):
+                _, lat = _end_to_end(worker, engine, topics, n // 2, half, protocol)
+                lat_runs.append(lat)
+            latencies = sorted(x for run_ in lat_runs for x in run_)
+        raw_rates = [_raw_pubsub(_envelopes(n, "bench", "raw"), protocol) for _ in range(repeats)]
+        raw_mqtt = statistics.median(raw_rates)
+    finally:
+        engine.dispose()
+        drop()
+    p50 = float(np.percentile(latencies, 50)) * 1000
+    p99 = float(np.percentile(latencies, 99)) * 1000
+    db = make_url(url).get_backend_name()
+    figures.update(
+        {
+            "e2e_database": db,
+            "e2e_samples_per_s": round(e2e, 1),
+            "raw_mosquitto_msgs_per_s": round(raw_mqtt, 1),
+            "e2e_vs_raw_mqtt": round(e2e / raw_mqtt, 3),
+            "latency_rate_per_s": round(half, 1),
+            "capture_to_verdict_p50_ms": round(p50, 1),
+            "capture_to_verdict_p99_ms": round(p99, 1),
+            "e2e_payload_bytes": len(_envelopes(1, "bench", "x")[0]),
+        }
+    )
+    tables.append(
+        markdown_table(
+            ["end to end (Mosquitto, QoS 1)", "value"],
+            [
+                [f"verifier: publish -> stored verdict in {db} (samples/s)", e2e],
+                ["raw Mosquitto pub/sub, same payloads (msgs/s)", raw_mqtt],
+                ["ratio", figures["e2e_vs_raw_mqtt"]],
+                [f"capture-to-verdict p50 at {half:.0f}/s (ms)", p50],
+                [f"capture-to-verdict p99 at {half:.0f}/s (ms)", p99],
+            ],
+        )
+    )
+    return {"figures": figures, "tables": tables}

@@ -1,0 +1,130 @@
+"""The FastAPI application factory and its error mapping."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from cloud_service.api.routes import enrollment, fleet, health, v2
+from cloud_service.api.state import ApiState, load_signing_key
+from cloud_service.blobs import BlobStore, LocalBlobStore
+from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
+from cloud_service.errors import AuthError, ConflictError, ForbiddenError, NotFoundError
+from cloud_service.metrics import CloudMetrics
+from cloud_service.settings import CloudSettings
+from shared.errors import ContractError, EdgeLoopError, ModelError, StoreError
+
+if TYPE_CHECKING:
+    from cloud_service.worker import VerifierWorker
+
+__all__ = ["ApiState", "create_app"]
+
+log = logging.getLogger(__name__)
+
+
+def _status_for(exc: EdgeLoopError) -> int:
+    if isinstance(exc, NotFoundError):
+        return 404
+    if isinstance(exc, AuthError):
+        return 401
+    if isinstance(exc, ForbiddenError):
+        return 403
+    if isinstance(exc, ConflictError):
+        return 409
+    if isinstance(exc, StoreError) and exc.reason == "not_found":
+        return 404
+    if isinstance(exc, ContractError):
+        return 422
+    if isinstance(exc, (StoreError, ModelError)):
+        return 503
+    return 500
+
+
+async def _edgeloop_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, EdgeLoopError)
+    code = _status_for(exc)
+    if code >= 500:
+        log.error("%s %s failed: %s", request.method, request.url.path, exc)
+    headers = {"WWW-Authenticate": "Bearer"} if code == 401 else None
+    return JSONResponse(
+        {"detail": exc.message, "reason": exc.reason}, status_code=code, headers=headers
+    )
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    problems = []
+    for error in exc.errors()[:10]:
+        where = ".".join(str(p) for p in error.get("loc", ()))
+        problems.append({"loc": where, "msg": error.get("msg", "invalid")})
+    summary = "; ".join(f"{p['loc']}: {p['msg']}" for p in problems)
+    return JSONResponse(
+        {"detail": f"request is not valid: {summary}", "errors": problems, "reason": "invalid"},
+        status_code=422,
+    )
+
+
+def create_app(
+    settings: CloudSettings,
+    *,
+    worker: VerifierWorker | None = None,
+    metrics: CloudMetrics | None = None,
+    blobs: BlobStore | None = None,
+    migrate: bool = True,
+    health_only: bool = False,
+) -> FastAPI:
+    """The API over ``settings``; pass the in-process ``worker`` in ``cloud-service all``.
+
+    ``health_only`` serves just /healthz, /readyz and /metrics (the verifier process).
+    """
+    url = settings.resolved_database_url
+    if migrate:
+        upgrade_database(url)
+    engine = make_engine(url)
+    state = ApiState(
+        settings=settings,
+        engine=engine,
+        sessions=make_session_factory(engine),
+        blobs=blobs
+        or (worker.blobs if worker else None)
+        or LocalBlobStore(settings.resolved_blob_dir, fsync=settings.blob_fsync),
+        metrics=metrics or (worker.metrics if worker else None) or CloudMetrics(),
+        signing_key=load_signing_key(settings),
+        worker=worker,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        engine.dispose()
+
+    app = FastAPI(
+        title="EdgeLoop cloud service",
+        version="1",
+        description="Enrollment, samples, verdicts, labels, stats; the teacher over KServe V2.",
+        lifespan=lifespan,
+    )
+    app.state.edgeloop = state
+    app.add_exception_handler(EdgeLoopError, _edgeloop_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    routers = [health.router] if health_only else [health.router, enrollment.router]
+    if not health_only:
+        routers += [fleet.router, v2.router]
+    for router in routers:
+        app.include_router(router)
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):  # type: ignore[no-untyped-def]
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        state.metrics.http_requests.labels(request.method, path, str(response.status_code)).inc()
+        return response
+
+    return app

@@ -1,0 +1,72 @@
+"""The API's dependencies as Annotated aliases (``SessionDep``, ``AdminDep``, ...)."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from cloud_service.api.state import ApiState
+from cloud_service.blobs import BlobStore
+from cloud_service.errors import AuthError
+from cloud_service.metrics import CloudMetrics
+from cloud_service.settings import CloudSettings
+
+__all__ = [
+    "AdminDep",
+    "BlobsDep",
+    "MetricsDep",
+    "SessionDep",
+    "SettingsDep",
+    "StateDep",
+]
+
+_bearer = HTTPBearer(auto_error=False, description="the admin token (settings: admin_token)")
+
+
+def get_state(request: Request) -> ApiState:
+    state: ApiState = request.app.state.edgeloop
+    return state
+
+
+StateDep = Annotated[ApiState, Depends(get_state)]
+
+
+def get_settings(state: StateDep) -> CloudSettings:
+    return state.settings
+
+
+def get_session(state: StateDep) -> Iterator[Session]:
+    """One session per request, committed when the route returns without error."""
+    with state.sessions.begin() as session:
+        yield session
+
+
+def get_blobs(state: StateDep) -> BlobStore:
+    return state.blobs
+
+
+def get_metrics(state: StateDep) -> CloudMetrics:
+    return state.metrics
+
+
+def require_admin(
+    settings: Annotated[CloudSettings, Depends(get_settings)],
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> None:
+    if credentials is None:
+        raise AuthError("this endpoint needs the admin token: send 'Authorization: Bearer <token>'")
+    expected = settings.admin_token.get_secret_value().encode()
+    if not hmac.compare_digest(credentials.credentials.encode(), expected):
+        raise AuthError("the bearer token is not the admin token")
+
+
+SettingsDep = Annotated[CloudSettings, Depends(get_settings)]
+SessionDep = Annotated[Session, Depends(get_session)]
+BlobsDep = Annotated[BlobStore, Depends(get_blobs)]
+MetricsDep = Annotated[CloudMetrics, Depends(get_metrics)]
+AdminDep = Annotated[None, Depends(require_admin)]

@@ -1,0 +1,75 @@
+"""What the API process holds for its lifetime: settings, database, blobs, teacher, key."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from cloud_service.blobs import BlobStore
+from cloud_service.metrics import CloudMetrics
+from cloud_service.settings import CloudSettings
+from cloud_service.verifier import TeacherModel
+from shared.errors import EdgeLoopError
+from shared.manifest import FleetSigningKey
+
+if TYPE_CHECKING:
+    from cloud_service.worker import VerifierWorker
+
+__all__ = ["ApiState", "load_signing_key"]
+
+log = logging.getLogger(__name__)
+
+
+def load_signing_key(settings: CloudSettings) -> FleetSigningKey:
+    """The fleet signing key, generated on first start if there is none."""
+    path = settings.resolved_signing_key_file
+    if not path.exists():
+        key = FleetSigningKey.generate()
+        try:
+            key.save(path)
+            log.info("generated the fleet signing key %s at %s", key.key_id, path)
+        except EdgeLoopError:
+            pass  # another process won the race; load what it saved
+    return FleetSigningKey.load(path)
+
+
+@dataclass
+class ApiState:
+    settings: CloudSettings
+    engine: Engine
+    sessions: sessionmaker[Session]
+    blobs: BlobStore
+    metrics: CloudMetrics
+    signing_key: FleetSigningKey
+    worker: VerifierWorker | None = None
+    _teacher: TeacherModel | None = None
+    _teacher_error: str | None = None
+    _teacher_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def teacher(self) -> TeacherModel | None:
+        """The teacher for the V2 endpoints: the worker's, else loaded once on first use."""
+        if self.worker is not None:
+            return self.worker.teacher
+        with self._teacher_lock:
+            if self._teacher is None and self._teacher_error is None:
+                s = self.settings
+                try:
+                    self._teacher = TeacherModel(
+                        s.resolved_teacher_model,
+                        name=s.teacher_name,
+                        version=s.teacher_version,
+                        providers=s.ort_providers,
+                        intra_op_threads=s.ort_intra_op_threads,
+                    )
+                except EdgeLoopError as exc:
+                    self._teacher_error = exc.message
+            return self._teacher
+
+    @property
+    def teacher_error(self) -> str | None:
+        return self._teacher_error

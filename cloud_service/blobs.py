@@ -1,0 +1,132 @@
+"""Blob storage by key: a small interface, and a local-folder implementation.
+
+An S3-compatible store implements the same four methods (put/get/exists/delete);
+keys are relative, slash-separated paths such as ``samples/{fleet}/{agent}/{id}.jpg``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import re
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from shared.errors import StoreError
+
+__all__ = ["BlobStore", "LocalBlobStore", "sample_image_key"]
+
+
+def _load_syncfs() -> Callable[[int], int] | None:
+    """libc's syncfs(2) (Linux), which flushes one filesystem; None where it is missing."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        function: Callable[[int], int] = libc.syncfs
+        return function
+    except (OSError, AttributeError):
+        return None
+
+
+_syncfs = _load_syncfs()
+_KEY_RE = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
+
+
+@runtime_checkable
+class BlobStore(Protocol):
+    """Where images and artifacts live. ``put`` returns only once the bytes are durable."""
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Store several blobs; durable when it returns (one flush for all where possible)."""
+        ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def delete(self, key: str) -> None: ...
+
+
+def sample_image_key(fleet: str, agent: str, sample_id: str, image_format: str) -> str:
+    """The key of a sample's image (ids were validated, so they are safe path parts)."""
+    ext = "jpg" if image_format == "jpeg" else image_format
+    # The first 8 hex digits of a UUIDv7 are its time prefix (~18 h buckets), which
+    # keeps any one folder from holding millions of files.
+    return f"samples/{fleet}/{agent}/{sample_id[:8]}/{sample_id}.{ext}"
+
+
+def _check_key(key: str) -> str:
+    if not _KEY_RE.fullmatch(key) or any(part in (".", "..") for part in key.split("/")):
+        raise StoreError(f"blob key {key!r} is not valid: use relative a/b/c.ext paths")
+    return key
+
+
+class LocalBlobStore:
+    """Blobs as files under ``root``, written atomically (temp file, fsync, rename)."""
+
+    def __init__(self, root: Path, *, fsync: bool = True) -> None:
+        self.root = Path(root)
+        self.fsync = fsync
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        return self.root / _check_key(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as handle:
+                    handle.write(data)
+                    if self.fsync:
+                        handle.flush()
+                        os.fsync(handle.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        except OSError as exc:
+            raise StoreError(f"cannot write blob {key}: {exc.strerror or exc}") from exc
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        if not self.fsync or len(items) <= 1 or _syncfs is None:
+            for key, data in items:
+                self.put(key, data)
+            return
+        # One syncfs for the batch instead of an fsync per file: measured ~4 ms per
+        # fsync here, which alone held ingest to ~250 samples/s.
+        fsync, self.fsync = self.fsync, False
+        try:
+            for key, data in items:
+                self.put(key, data)
+        finally:
+            self.fsync = fsync
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            if _syncfs(fd) != 0:
+                raise StoreError(f"syncfs of the blob store failed: errno {ctypes.get_errno()}")
+        finally:
+            os.close(fd)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError as exc:
+            raise StoreError(f"blob {key} does not exist", reason="not_found") from exc
+        except OSError as exc:
+            raise StoreError(f"cannot read blob {key}: {exc.strerror or exc}") from exc
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot delete blob {key}: {exc.strerror or exc}") from exc

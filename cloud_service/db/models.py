@@ -1,0 +1,193 @@
+"""SQLAlchemy 2 models of the cloud store; the Alembic migrations create exactly these.
+
+The same models run on SQLite and PostgreSQL: JSON columns, timezone-aware
+timestamps stored as UTC (SQLite keeps no zone, so ``UtcDateTime`` adds it back),
+and string primary keys for the ids the edge makes.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    TypeDecorator,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+__all__ = [
+    "SAMPLE_STATUSES",
+    "Agent",
+    "Base",
+    "DeadLetter",
+    "EnrollmentToken",
+    "Label",
+    "Sample",
+    "SampleStatus",
+    "UtcDateTime",
+    "Verdict",
+]
+
+SampleStatus = Literal["pending", "verified", "flagged", "reviewed", "discarded"]
+SAMPLE_STATUSES: tuple[str, ...] = ("pending", "verified", "flagged", "reviewed", "discarded")
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """A timestamp stored as UTC and always read back timezone-aware."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        value = value.astimezone(UTC)
+        # SQLite stores text; keep it naive there so comparisons sort as text.
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime: UtcDateTime, dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class Agent(Base):
+    """An edge agent: enrolled through the API or first seen on its status topic."""
+
+    __tablename__ = "agents"
+
+    agent_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    fleet: Mapped[str] = mapped_column(String(64), index=True)
+    state: Mapped[str] = mapped_column(String(16), default="unknown")
+    last_seen_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    model_version: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    telemetry: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    model_status: Mapped[dict[str, Any] | None] = mapped_column(nullable=True)
+    api_token_hash: Mapped[str | None] = mapped_column(String(64), nullable=True, unique=True)
+    enrolled_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class EnrollmentToken(Base):
+    """A one-time enrollment token; only its sha256 is kept."""
+
+    __tablename__ = "enrollment_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    fleet: Mapped[str] = mapped_column(String(64))
+    agent_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    expires_at: Mapped[datetime] = mapped_column()
+    used_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    used_by: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Sample(Base):
+    """One forwarded sample: what the edge said about it, and where its image is."""
+
+    __tablename__ = "samples"
+    __table_args__ = (
+        Index("ix_samples_agent_captured", "agent_id", "captured_at"),
+        Index("ix_samples_status_received", "status", "received_at"),
+    )
+
+    sample_id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    fleet: Mapped[str] = mapped_column(String(64), index=True)
+    agent_id: Mapped[str] = mapped_column(String(64))
+    captured_at: Mapped[datetime] = mapped_column()
+    received_at: Mapped[datetime] = mapped_column(default=utcnow)
+    model_name: Mapped[str] = mapped_column(String(128))
+    model_version: Mapped[str] = mapped_column(String(128))
+    edge_scores: Mapped[list[Any]] = mapped_column()
+    edge_predicted: Mapped[int] = mapped_column(Integer)
+    edge_confidence: Mapped[float] = mapped_column(Float)
+    route_reason: Mapped[str] = mapped_column(String(32))
+    priority: Mapped[int] = mapped_column(Integer, default=5)
+    image_key: Mapped[str] = mapped_column(String(512))
+    image_format: Mapped[str] = mapped_column(String(8))
+    image_width: Mapped[int] = mapped_column(Integer)
+    image_height: Mapped[int] = mapped_column(Integer)
+    image_bytes: Mapped[int] = mapped_column(Integer)
+    meta: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    verified_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+
+class Verdict(Base):
+    """The teacher's answer for a sample: exactly one per sample (unique sample_id)."""
+
+    __tablename__ = "verdicts"
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    sample_id: Mapped[str] = mapped_column(
+        String(36), ForeignKey("samples.sample_id", ondelete="CASCADE"), unique=True
+    )
+    teacher_model: Mapped[str] = mapped_column(String(128))
+    teacher_version: Mapped[str] = mapped_column(String(128))
+    scores: Mapped[list[Any]] = mapped_column()
+    label: Mapped[int] = mapped_column(Integer)
+    confidence: Mapped[float] = mapped_column(Float)
+    agrees_with_edge: Mapped[bool] = mapped_column(Boolean)
+    review: Mapped[bool] = mapped_column(Boolean, default=False)
+    review_reasons: Mapped[list[Any]] = mapped_column(default=list)
+    verified_at: Mapped[datetime] = mapped_column()
+    latency_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class Label(Base):
+    """A human's label for a sample (the latest one wins for training)."""
+
+    __tablename__ = "labels"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    sample_id: Mapped[str] = mapped_column(
+        String(36), ForeignKey("samples.sample_id", ondelete="CASCADE"), index=True
+    )
+    label: Mapped[int] = mapped_column(Integer)
+    labeled_by: Mapped[str] = mapped_column(String(128))
+    note: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class DeadLetter(Base):
+    """A message refused at ingest, kept with its reason for inspection."""
+
+    __tablename__ = "dead_letters"
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    received_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    topic: Mapped[str] = mapped_column(String(1024))
+    reason: Mapped[str] = mapped_column(String(64), index=True)
+    message: Mapped[str] = mapped_column(Text)
+    fleet: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    agent_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    sample_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
+    payload: Mapped[bytes] = mapped_column(LargeBinary)
+    payload_size: Mapped[int] = mapped_column(Integer)

@@ -1,0 +1,236 @@
+"""Ingest: turn one MQTT message into something to store, or a dead letter with its reason.
+
+Everything arriving over MQTT is untrusted. ``classify`` never raises for bad
+input: it returns an ``IngestSample``, an ``IngestStatus``, an ``IngestModelStatus``
+or a ``DeadLetterRow`` whose reason is the ``reason`` slug of the shared error
+tree (``shared/errors.py``), plus ``topic_mismatch`` (payload names another
+agent or fleet than its topic) and ``wrong_topic`` (a topic the cloud does not
+take messages on).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+
+from cloud_service.blobs import sample_image_key
+from cloud_service.verifier import decode_image
+from shared.envelope import EnvelopeLimits, decode_envelope
+from shared.errors import ContractError, EdgeLoopError
+from shared.messages import AgentStatus, ModelStatus, SampleHeader, decode_message
+from shared.topics import TopicRef, Topics
+
+__all__ = [
+    "DeadLetterRow",
+    "IngestModelStatus",
+    "IngestSample",
+    "IngestStatus",
+    "ReceiptBuffer",
+    "SampleTask",
+    "classify",
+    "sample_row",
+]
+
+
+@dataclass(frozen=True)
+class SampleTask:
+    """What the verifier needs to answer one stored sample."""
+
+    sample_id: str
+    fleet: str
+    agent: str
+    captured_at: datetime
+    edge_predicted: int
+    edge_confidence: float
+    priority: int
+    pixels: np.ndarray = field(repr=False)
+
+
+@dataclass(frozen=True)
+class IngestSample:
+    header: SampleHeader
+    image: bytes = field(repr=False)
+    pixels: np.ndarray = field(repr=False)
+
+    @property
+    def image_key(self) -> str:
+        h = self.header
+        return sample_image_key(h.fleet, h.agent, h.sample_id, h.image_format)
+
+    def task(self) -> SampleTask:
+        h = self.header
+        return SampleTask(
+            sample_id=h.sample_id,
+            fleet=h.fleet,
+            agent=h.agent,
+            captured_at=h.captured_at,
+            edge_predicted=h.predicted,
+            edge_confidence=h.confidence,
+            priority=h.priority,
+            pixels=self.pixels,
+        )
+
+
+@dataclass(frozen=True)
+class IngestStatus:
+    status: AgentStatus
+
+
+@dataclass(frozen=True)
+class IngestModelStatus:
+    status: ModelStatus
+
+
+@dataclass(frozen=True)
+class DeadLetterRow:
+    topic: str
+    reason: str
+    message: str
+    payload: bytes = field(repr=False)
+    payload_size: int = 0
+    fleet: str | None = None
+    agent_id: str | None = None
+    sample_id: str | None = None
+
+    def row(self, received_at: datetime) -> dict[str, Any]:
+        return {
+            "received_at": received_at,
+            "topic": self.topic[:1024],
+            "reason": self.reason,
+            "message": self.message[:4000],
+            "payload": self.payload,
+            "payload_size": self.payload_size,
+            "fleet": self.fleet,
+            "agent_id": self.agent_id,
+            "sample_id": self.sample_id,
+        }
+
+
+Classified = IngestSample | IngestStatus | IngestModelStatus | DeadLetterRow | None
+
+
+def _check_source(ref: TopicRef, fleet: str, agent: str) -> None:
+    if (ref.fleet, ref.agent) != (fleet, agent):
+        raise ContractError(
+            f"payload is from {fleet}/{agent} but arrived on the topic of {ref.fleet}/{ref.agent}",
+            reason="topic_mismatch",
+        )
+
+
+def classify(
+    topic: str,
+    payload: bytes,
+    *,
+    topics: Topics,
+    limits: EnvelopeLimits,
+    input_size: tuple[int, int] | None,
+    keep_bytes: int = 65536,
+) -> Classified:
+    """What to do with one message (None: nothing, e.g. a cleared retained status)."""
+    ref: TopicRef | None = None
+    try:
+        ref = topics.parse(topic)
+        if ref.kind == "samples":
+            envelope = decode_envelope(payload, limits)
+            header = envelope.header
+            _check_source(ref, header.fleet, header.agent)
+            pixels = decode_image(envelope.image, input_size)
+            return IngestSample(header=header, image=envelope.image, pixels=pixels)
+        if ref.kind == "status":
+            if not payload:
+                return None  # someone cleared the retained status: nothing to record
+            status = decode_message(payload, AgentStatus)
+            _check_source(ref, status.fleet, status.agent)
+            return IngestStatus(status)
+        if ref.kind == "model-status":
+            model_status = decode_message(payload, ModelStatus)
+            _check_source(ref, model_status.fleet, model_status.agent)
+            return IngestModelStatus(model_status)
+        raise ContractError(
+            f"the cloud takes no messages on {ref.kind!r} topics", reason="wrong_topic"
+        )
+    except EdgeLoopError as exc:
+        return DeadLetterRow(
+            topic=topic,
+            reason=exc.reason,
+            message=exc.message,
+            payload=bytes(payload[:keep_bytes]),
+            payload_size=len(payload),
+            fleet=ref.fleet if ref else None,
+            agent_id=ref.agent if ref else None,
+        )
+
+
+def sample_row(sample: IngestSample, received_at: datetime) -> dict[str, Any]:
+    """The samples-table row of an accepted sample."""
+    h = sample.header
+    return {
+        "sample_id": h.sample_id,
+        "fleet": h.fleet,
+        "agent_id": h.agent,
+        "captured_at": h.captured_at,
+        "received_at": received_at,
+        "model_name": h.model_name,
+        "model_version": h.model_version,
+        "edge_scores": list(h.scores),
+        "edge_predicted": h.predicted,
+        "edge_confidence": h.confidence,
+        "route_reason": h.route_reason,
+        "priority": h.priority,
+        "image_key": sample.image_key,
+        "image_format": h.image_format,
+        "image_width": h.image_width,
+        "image_height": h.image_height,
+        "image_bytes": h.image_bytes,
+        "meta": dict(h.meta),
+        "status": "pending",
+        "verified_at": None,
+    }
+
+
+class ReceiptBuffer:
+    """Stored sample ids per agent, flushed every ``flush_s`` or at ``max_ids``."""
+
+    def __init__(self, *, flush_s: float = 0.05, max_ids: int = 100) -> None:
+        self.flush_s = flush_s
+        self.max_ids = max_ids
+        self._pending: dict[tuple[str, str], tuple[float, list[str]]] = {}
+
+    def add(self, fleet: str, agent: str, ids: Iterable[str], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        _first, pending = self._pending.setdefault((fleet, agent), (now, []))
+        pending.extend(ids)
+
+    def due(
+        self, now: float | None = None, *, everything: bool = False
+    ) -> list[tuple[str, str, list[str]]]:
+        """Batches to publish now: (fleet, agent, ids), at most ``max_ids`` ids each."""
+        now = time.monotonic() if now is None else now
+        out: list[tuple[str, str, list[str]]] = []
+        for key, (first, ids) in list(self._pending.items()):
+            while len(ids) >= self.max_ids:
+                out.append((key[0], key[1], ids[: self.max_ids]))
+                del ids[: self.max_ids]
+            if ids and (everything or now - first >= self.flush_s):
+                out.append((key[0], key[1], list(ids)))
+                ids.clear()
+            if not ids:
+                del self._pending[key]
+            elif now - first >= self.flush_s:
+                self._pending[key] = (now, ids)
+        return out
+
+    def next_due(self) -> float | None:
+        """Monotonic time the next batch falls due, if any waits."""
+        if not self._pending:
+            return None
+        return min(first for first, _ in self._pending.values()) + self.flush_s
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)

@@ -1,0 +1,88 @@
+"""Prometheus metrics of the cloud processes: one registry per process object, no globals."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["CloudMetrics"]
+
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class CloudMetrics:
+    """Every metric the verifier and the API export, in their own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.ingested = Counter(
+            "edgeloop_ingest_samples", "Samples stored (new ones)", ["fleet"], registry=r
+        )
+        self.duplicates = Counter(
+            "edgeloop_ingest_duplicates", "Samples received again and already stored", registry=r
+        )
+        self.forwarded = Counter(
+            "edgeloop_agent_forwarded_samples",
+            "Samples received per agent (its forward rate)",
+            ["fleet", "agent"],
+            registry=r,
+        )
+        self.dead_letters = Counter(
+            "edgeloop_dead_letters", "Messages refused at ingest", ["reason"], registry=r
+        )
+        self.receipts = Counter(
+            "edgeloop_receipt_ids", "Sample ids acknowledged to agents", registry=r
+        )
+        self.store_errors = Counter(
+            "edgeloop_store_errors", "Failed database or blob writes (retried)", registry=r
+        )
+        self.queue_depth = Gauge(
+            "edgeloop_verifier_queue_depth", "Samples waiting for the teacher", registry=r
+        )
+        self.queue_delay = Histogram(
+            "edgeloop_verifier_queue_delay_seconds",
+            "Time a sample waited in the batcher",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "edgeloop_verifier_batch_size",
+            "Teacher batch sizes",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.compute = Histogram(
+            "edgeloop_verifier_compute_seconds",
+            "Teacher time per batch",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.capture_to_verdict = Histogram(
+            "edgeloop_capture_to_verdict_seconds",
+            "From the edge's capture time to the stored verdict",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.verdicts = Counter(
+            "edgeloop_verdicts", "Verdicts stored", ["agrees", "review"], registry=r
+        )
+        self.agreement = Gauge(
+            "edgeloop_agreement_rate",
+            "Share of verdicts agreeing with the edge (since start)",
+            registry=r,
+        )
+        self.http_requests = Counter(
+            "edgeloop_http_requests", "HTTP requests", ["method", "route", "status"], registry=r
+        )
+        self._agreed = 0
+        self._verified = 0
+
+    def observe_verdicts(self, agreed: int, total: int) -> None:
+        self._agreed += agreed
+        self._verified += total
+        if self._verified:
+            self.agreement.set(self._agreed / self._verified)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

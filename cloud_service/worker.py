@@ -1,0 +1,579 @@
+"""The verifier process: MQTT ingest, storage, teacher batches, verdicts, receipts.
+
+Threads, each with one job:
+
+    paho loop        on_message -> inbox (nothing else runs on paho's thread)
+    ingest           inbox -> classify -> blobs + one DB transaction -> ack -> receipts,
+                     new samples -> batcher
+    batcher-N        the teacher on same-shape batches (cloud_service.batcher)
+    verdicts         results -> verdict rows (one transaction per drain) -> publish
+    recovery         stored samples still "pending" (a crash, a failed batch) -> batcher
+
+A message is acknowledged to the broker (paho manual ack) only after its blob is
+written and its row committed; a sample redelivered after a crash is stored once
+(ON CONFLICT DO NOTHING on sample_id) and gets at most one verdict row (unique
+sample_id on verdicts).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from cloud_service.batcher import BatcherConfig, BatchInfo, DynamicBatcher
+from cloud_service.blobs import BlobStore, LocalBlobStore
+from cloud_service.db import crud
+from cloud_service.db.models import Sample
+from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
+from cloud_service.ingest import (
+    DeadLetterRow,
+    IngestModelStatus,
+    IngestSample,
+    IngestStatus,
+    ReceiptBuffer,
+    SampleTask,
+    classify,
+    sample_row,
+)
+from cloud_service.metrics import CloudMetrics
+from cloud_service.review import ReviewRules
+from cloud_service.settings import CloudSettings
+from cloud_service.verifier import TeacherModel, decode_image
+from shared.errors import EdgeLoopError, StoreError, TransportError
+from shared.messages import Receipt, Verdict, encode_message
+from shared.mqtt import make_client, negotiate_protocol
+
+__all__ = ["VerifierWorker", "batcher_config"]
+
+log = logging.getLogger(__name__)
+
+# Broker-side window of unacknowledged messages to us (MQTT v5 Receive Maximum):
+# with manual acks after each commit, the window must cover a whole ingest batch.
+_RECEIVE_MAXIMUM = 2000
+_RETRY_BACKOFF = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+def batcher_config(settings: CloudSettings) -> BatcherConfig:
+    return BatcherConfig(
+        max_batch_size=settings.max_batch_size,
+        preferred_batch_sizes=tuple(
+            s for s in settings.preferred_batch_sizes if s <= settings.max_batch_size
+        ),
+        max_queue_delay_s=settings.max_queue_delay_ms / 1000,
+        priority_levels=settings.priority_levels,
+        max_queue_size=settings.max_queue_size,
+        queue_policy=settings.queue_policy,
+        timeout_s=settings.queue_timeout_s,
+        instances=settings.model_instances,
+    )
+
+
+class VerifierWorker:
+    """Ingest and verify until stopped; ``with VerifierWorker(settings) as worker: ...``."""
+
+    def __init__(
+        self,
+        settings: CloudSettings,
+        *,
+        teacher: TeacherModel | None = None,
+        blobs: BlobStore | None = None,
+        metrics: CloudMetrics | None = None,
+        session_factory: sessionmaker[Session] | None = None,
+        migrate: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.topics = settings.topics
+        self.limits = settings.envelope_limits
+        self.metrics = metrics or CloudMetrics()
+        if session_factory is None:
+            url = settings.resolved_database_url
+            if migrate:
+                upgrade_database(url)
+            self._engine: Engine | None = make_engine(url)
+            session_factory = make_session_factory(self._engine)
+        else:
+            self._engine = None
+        self.sessions = session_factory
+        self.blobs = blobs or LocalBlobStore(settings.resolved_blob_dir, fsync=settings.blob_fsync)
+        self.teacher = teacher or TeacherModel(
+            settings.resolved_teacher_model,
+            name=settings.teacher_name,
+            version=settings.teacher_version,
+            providers=settings.ort_providers,
+            intra_op_threads=settings.ort_intra_op_threads,
+        )
+        self.rules = ReviewRules(
+            confidence_below=settings.review_confidence_below,
+            on_disagreement=settings.review_on_disagreement,
+            audit_share=settings.review_audit_share,
+        )
+        self.batcher: DynamicBatcher[SampleTask, np.ndarray] = DynamicBatcher(
+            self._run_batch, batcher_config(settings), on_batch=self._on_batch, name="teacher"
+        )
+        self.receipts = ReceiptBuffer(
+            flush_s=settings.receipt_flush_ms / 1000, max_ids=settings.receipt_max_ids
+        )
+        self._inbox: queue.Queue[mqtt.MQTTMessage] = queue.Queue()
+        self._results: queue.Queue[tuple[SampleTask, np.ndarray | BaseException]] = queue.Queue()
+        self._inflight: set[str] = set()
+        self._inflight_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._connected = threading.Event()
+        self._subscribed = threading.Event()
+        self.protocol = "5"
+        self.client: mqtt.Client | None = None
+        self.counts = {"stored": 0, "duplicates": 0, "dead_letters": 0, "verdicts": 0}
+
+    # --- lifecycle -----------------------------------------------------------
+
+    def __enter__(self) -> VerifierWorker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def ready(self) -> bool:
+        return self._subscribed.is_set() and self._connected.is_set()
+
+    def start(self, *, connect_timeout: float = 15.0) -> None:
+        self.batcher.start()
+        for name, target in (
+            ("ingest", self._ingest_loop),
+            ("verdicts", self._verdict_loop),
+            ("recovery", self._recovery_loop),
+        ):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        self._connect(connect_timeout)
+
+    def stop(self) -> None:
+        """Stop taking messages, finish what is in hand, flush receipts, disconnect."""
+        if self._stop.is_set():
+            return
+        client = self.client
+        if client is not None:
+            # Unsubscribing is not needed: the session keeps the subscription, and a
+            # restarted verifier with the same client id receives what queued meanwhile.
+            client.on_message = None
+        self._stop.set()
+        for thread in self._threads:
+            if thread.name == "ingest":
+                thread.join(10)
+        self.batcher.close(drain=True)
+        for thread in self._threads:
+            thread.join(10)
+        self._threads.clear()
+        if client is not None:
+            client.disconnect()
+            client.loop_stop()
+        if self._engine is not None:
+            self._engine.dispose()
+
+    def _connect(self, timeout: float) -> None:
+        settings = self.settings
+        target = settings.mqtt
+        self.protocol = negotiate_protocol(target)
+        client = make_client(
+            target,
+            client_id=settings.verifier_client_id,
+            protocol=self.protocol,
+            clean_start=False,
+            ca_file=str(settings.mqtt_ca_file) if settings.mqtt_ca_file else None,
+            manual_ack=True,
+        )
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        client.on_subscribe = self._on_subscribe
+        client.reconnect_delay_set(1, 5)
+        client.max_queued_messages_set(0)
+        client.max_inflight_messages_set(200)
+        self.client = client
+        kwargs: dict[str, Any] = {"keepalive": 30}
+        if self.protocol == "5":
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = settings.mqtt_session_expiry_s
+            props.ReceiveMaximum = _RECEIVE_MAXIMUM
+            kwargs.update(clean_start=False, properties=props)
+        try:
+            client.connect(target.host, target.port, **kwargs)
+        except OSError as exc:
+            raise TransportError(
+                f"cannot reach the MQTT broker at {target.host}:{target.port}: {exc}"
+            ) from exc
+        client.loop_start()
+        if not self._subscribed.wait(timeout):
+            raise TransportError(f"no subscription acknowledged by the broker within {timeout} s")
+
+    def subscriptions(self) -> list[str]:
+        group = self.settings.verifier_group if self.protocol == "5" else None
+        return [
+            self.topics.samples_filter(group),
+            self.topics.model_status_filter(group),
+            # Plain, never shared: retained statuses are not sent to shared
+            # subscriptions, and every verifier may upsert the same status.
+            self.topics.status_filter(),
+        ]
+
+    def _on_connect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
+    ) -> None:
+        if getattr(reason, "is_failure", False):
+            log.error("broker refused the connection: %s", reason)
+            return
+        self._connected.set()
+        log.info("connected to the broker (session present: %s)", flags.session_present)
+        client.subscribe([(topic, 1) for topic in self.subscriptions()])
+
+    def _on_subscribe(
+        self, client: mqtt.Client, userdata: Any, mid: int, codes: Any, props: Any
+    ) -> None:
+        failures = [c for c in codes if getattr(c, "is_failure", False)]
+        if failures:
+            log.error("broker refused subscriptions: %s", failures)
+            return
+        self._subscribed.set()
+
+    def _on_disconnect(self, client: mqtt.Client, *args: Any) -> None:
+        self._connected.clear()
+        if not self._stop.is_set():
+            log.warning("disconnected from the broker; paho reconnects")
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        self._inbox.put(message)
+
+    # --- ingest --------------------------------------------------------------
+
+    def _drain(self, inbox: queue.Queue[Any], limit: int, wait: float) -> list[Any]:
+        try:
+            items = [inbox.get(timeout=wait)]
+        except queue.Empty:
+            return []
+        while len(items) < limit:
+            try:
+                items.append(inbox.get_nowait())
+            except queue.Empty:
+                break
+        return items
+
+    def _ingest_loop(self) -> None:
+        tick = self.settings.ingest_tick_ms / 1000
+        while not self._stop.is_set():
+            batch = self._drain(self._inbox, self.settings.ingest_max_batch, tick)
+            if batch:
+                self._with_retries(functools.partial(self._ingest, batch))
+            self._flush_receipts()
+        self._flush_receipts(everything=True)
+
+    def _with_retries(self, step: Callable[[], None]) -> bool:
+        """Run ``step`` until it succeeds or we stop; storage outages are waited out."""
+        for attempt in range(10_000):
+            try:
+                step()
+                return True
+            except (StoreError, SQLAlchemyError, OSError) as exc:
+                self.metrics.store_errors.inc()
+                delay = _RETRY_BACKOFF[min(attempt, len(_RETRY_BACKOFF) - 1)]
+                log.warning("storage failed (%s); retrying in %.1f s", exc, delay)
+                if self._stop.wait(delay):
+                    return False
+        return False
+
+    def _ingest(self, messages: list[mqtt.MQTTMessage]) -> None:
+        now = datetime.now(UTC)
+        samples: list[IngestSample] = []
+        dead: list[DeadLetterRow] = []
+        statuses: list[IngestStatus | IngestModelStatus] = []
+        for message in messages:
+            outcome = classify(
+                message.topic,
+                bytes(message.payload),
+                topics=self.topics,
+                limits=self.limits,
+                input_size=self.teacher.input_size,
+                keep_bytes=self.settings.dead_letter_keep_bytes,
+            )
+            if isinstance(outcome, IngestSample):
+                samples.append(outcome)
+            elif isinstance(outcome, DeadLetterRow):
+                dead.append(outcome)
+            elif outcome is not None:
+                statuses.append(outcome)
+        # Blobs first: a row never points at an image that is not there. A crash
+        # between the two leaves an orphan file that the redelivery overwrites.
+        self.blobs.put_many([(sample.image_key, sample.image) for sample in samples])
+        with self.sessions.begin() as session:
+            new_ids = crud.insert_samples(
+                session=session, rows=[sample_row(s, now) for s in samples]
+            )
+            crud.insert_dead_letters(session=session, rows=[d.row(now) for d in dead])
+            for item in statuses:
+                if isinstance(item, IngestStatus):
+                    crud.record_agent_status(session=session, status=item.status)
+                else:
+                    crud.record_model_status(session=session, status=item.status)
+            duplicates = [s.header.sample_id for s in samples if s.header.sample_id not in new_ids]
+            stored_verdicts = (
+                crud.get_verdicts(session=session, sample_ids=duplicates) if duplicates else []
+            )
+            republish = [self._verdict_from_row(v) for v in stored_verdicts]
+        # Durable: now the broker may forget these messages.
+        assert self.client is not None
+        for message in messages:
+            if message.qos > 0:
+                self.client.ack(message.mid, message.qos)
+        self._account(samples, new_ids, dead)
+        for verdict in republish:
+            self._publish_verdict(verdict)
+        submitted: set[str] = set()
+        for sample in samples:
+            sid = sample.header.sample_id
+            if sid in new_ids and sid not in submitted:
+                submitted.add(sid)
+                self._submit(sample.task())
+
+    def _account(
+        self, samples: list[IngestSample], new_ids: set[str], dead: list[DeadLetterRow]
+    ) -> None:
+        m = self.metrics
+        for sample in samples:
+            h = sample.header
+            self.receipts.add(h.fleet, h.agent, [h.sample_id])
+            m.forwarded.labels(h.fleet, h.agent).inc()
+            if h.sample_id in new_ids:
+                m.ingested.labels(h.fleet).inc()
+            else:
+                m.duplicates.inc()
+        self.counts["stored"] += len(new_ids)
+        self.counts["duplicates"] += len(samples) - len(new_ids)
+        self.counts["dead_letters"] += len(dead)
+        for letter in dead:
+            m.dead_letters.labels(letter.reason).inc()
+            log.info("dead letter on %s: %s (%s)", letter.topic, letter.reason, letter.message)
+
+    def _flush_receipts(self, *, everything: bool = False) -> None:
+        client = self.client
+        if client is None:
+            return
+        for fleet, agent, ids in self.receipts.due(everything=everything):
+            unique = list(dict.fromkeys(ids))
+            receipt = Receipt(sample_ids=unique, stored_at=datetime.now(UTC))
+            client.publish(self.topics.receipts(fleet, agent), encode_message(receipt), qos=1)
+            self.metrics.receipts.inc(len(unique))
+
+    def _submit(self, task: SampleTask) -> None:
+        with self._inflight_lock:
+            if task.sample_id in self._inflight:
+                return
+            self._inflight.add(task.sample_id)
+        # A sample's priority runs 0 (most urgent) .. 9, the batcher's levels the other
+        # way (highest first), so invert. Least sure first within a level: those are
+        # the likeliest mistakes.
+        future = self.batcher.submit(
+            task,
+            shape=task.pixels.shape,
+            priority=self.batcher.config.priority_levels - 1 - task.priority,
+            order=task.edge_confidence,
+        )
+        self.metrics.queue_depth.set(self.batcher.depth)
+        future.add_done_callback(functools.partial(self._done, task))
+
+    def _done(self, task: SampleTask, future: Future[np.ndarray]) -> None:
+        exc = future.exception()
+        self._results.put((task, exc if exc is not None else future.result()))
+
+    # --- teacher -------------------------------------------------------------
+
+    def _run_batch(self, tasks: list[SampleTask] | Any) -> list[np.ndarray]:
+        return self.teacher.predict_many([t.pixels for t in tasks])
+
+    def _on_batch(self, info: BatchInfo) -> None:
+        m = self.metrics
+        m.batch_size.observe(info.size)
+        m.compute.observe(info.compute_s)
+        for delay in info.queue_delays_s:
+            m.queue_delay.observe(delay)
+        m.queue_depth.set(self.batcher.depth)
+
+    # --- verdicts ------------------------------------------------------------
+
+    def _verdict_loop(self) -> None:
+        while True:
+            stopping = self._stop.is_set() and not any(
+                t.name.startswith("teacher") and t.is_alive() for t in threading.enumerate()
+            )
+            batch = self._drain(self._results, 500, 0.05)
+            if batch:
+                self._with_retries(functools.partial(self._store_verdicts, batch))
+            elif stopping:
+                return
+
+    def _store_verdicts(self, results: list[tuple[SampleTask, np.ndarray | BaseException]]) -> None:
+        now = datetime.now(UTC)
+        verdicts: list[Verdict] = []
+        failed: list[SampleTask] = []
+        for task, result in results:
+            if isinstance(result, BaseException):
+                log.error("teacher failed on %s: %s", task.sample_id, result)
+                failed.append(task)
+                continue
+            verdicts.append(self._make_verdict(task, result, now))
+        latency = {task.sample_id: (now - task.captured_at).total_seconds() for task, _ in results}
+        rows = [
+            {
+                "sample_id": v.sample_id,
+                "teacher_model": v.teacher_model,
+                "teacher_version": v.teacher_version,
+                "scores": list(v.scores),
+                "label": v.label,
+                "confidence": v.confidence,
+                "agrees_with_edge": v.agrees_with_edge,
+                "review": v.review,
+                "review_reasons": list(v.review_reasons),
+                "verified_at": v.verified_at,
+                "latency_s": latency[v.sample_id],
+            }
+            for v in verdicts
+        ]
+        with self.sessions.begin() as session:
+            new = crud.insert_verdicts(session=session, rows=rows) if rows else set()
+            existing = [v.sample_id for v in verdicts if v.sample_id not in new]
+            stored = crud.get_verdicts(session=session, sample_ids=existing) if existing else []
+            again = [self._verdict_from_row(v) for v in stored]
+        with self._inflight_lock:
+            for task, _ in results:
+                self._inflight.discard(task.sample_id)
+        m = self.metrics
+        agreed = 0
+        for verdict in verdicts:
+            if verdict.sample_id in new:
+                self._publish_verdict(verdict)
+                agreed += verdict.agrees_with_edge
+                m.verdicts.labels(
+                    str(verdict.agrees_with_edge).lower(), str(verdict.review).lower()
+                ).inc()
+                m.capture_to_verdict.observe(max(latency[verdict.sample_id], 0.0))
+        m.observe_verdicts(agreed, len(new))
+        self.counts["verdicts"] += len(new)
+        for verdict in again:
+            self._publish_verdict(verdict)
+
+    def _make_verdict(self, task: SampleTask, scores: np.ndarray, now: datetime) -> Verdict:
+        label = int(np.argmax(scores))
+        confidence = float(min(max(float(scores[label]), 0.0), 1.0))
+        agrees = label == task.edge_predicted
+        reasons = self.rules.reasons(
+            sample_id=task.sample_id, teacher_confidence=confidence, agrees_with_edge=agrees
+        )
+        info = self.teacher.info
+        return Verdict(
+            sample_id=task.sample_id,
+            fleet=task.fleet,
+            agent=task.agent,
+            teacher_model=info.name,
+            teacher_version=info.version,
+            scores=[float(x) for x in scores],
+            label=label,
+            confidence=confidence,
+            agrees_with_edge=agrees,
+            review=bool(reasons),
+            review_reasons=reasons,
+            verified_at=now,
+        )
+
+    def _verdict_from_row(self, row: Any) -> Verdict:
+        sample_fleet, sample_agent = self._sample_source(row.sample_id)
+        return Verdict(
+            sample_id=row.sample_id,
+            fleet=sample_fleet,
+            agent=sample_agent,
+            teacher_model=row.teacher_model,
+            teacher_version=row.teacher_version,
+            scores=row.scores,
+            label=row.label,
+            confidence=row.confidence,
+            agrees_with_edge=row.agrees_with_edge,
+            review=row.review,
+            review_reasons=row.review_reasons,
+            verified_at=row.verified_at,
+        )
+
+    def _sample_source(self, sample_id: str) -> tuple[str, str]:
+        with self.sessions() as session:
+            sample = session.get(Sample, sample_id)
+            if sample is None:  # the verdict's foreign key makes this unreachable
+                raise StoreError(f"verdict for unknown sample {sample_id}")
+            return sample.fleet, sample.agent_id
+
+    def _publish_verdict(self, verdict: Verdict) -> None:
+        if self.client is not None:
+            topic = self.topics.verdicts(verdict.fleet, verdict.agent)
+            self.client.publish(topic, encode_message(verdict), qos=1)
+
+    # --- recovery ------------------------------------------------------------
+
+    def _recovery_loop(self) -> None:
+        """Verify stored samples without a verdict: at start (a crash) and then now and then."""
+        interval = 30.0
+        while not self._stop.is_set():
+            try:
+                self.recover_pending()
+            except (SQLAlchemyError, EdgeLoopError, OSError) as exc:
+                log.warning("recovery scan failed: %s", exc)
+            if self._stop.wait(interval):
+                return
+
+    def recover_pending(self, *, limit: int = 100_000) -> int:
+        """Submit stored, unverified samples that are not in flight here; return how many."""
+        count = 0
+        after = ""
+        size = self.teacher.input_size
+        while count < limit and not self._stop.is_set():
+            with self.sessions() as session:
+                rows = crud.pending_samples(session=session, limit=500, after=after)
+            if not rows:
+                break
+            after = rows[-1].sample_id
+            for row in rows:
+                with self._inflight_lock:
+                    if row.sample_id in self._inflight:
+                        continue
+                try:
+                    pixels = decode_image(self.blobs.get(row.image_key), size)
+                except EdgeLoopError as exc:
+                    log.error("cannot recover sample %s: %s", row.sample_id, exc)
+                    continue
+                self._submit(
+                    SampleTask(
+                        sample_id=row.sample_id,
+                        fleet=row.fleet,
+                        agent=row.agent_id,
+                        captured_at=row.captured_at,
+                        edge_predicted=row.edge_predicted,
+                        edge_confidence=row.edge_confidence,
+                        priority=row.priority,
+                        pixels=pixels,
+                    )
+                )
+                count += 1
+        if count:
+            log.info("recovery: %d stored samples queued for the teacher", count)
+        return count

@@ -1,0 +1,170 @@
+"""Fixtures of the cloud service tests: a teacher-like model, settings, sample envelopes."""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
+from PIL import Image
+
+from cloud_service.demo_teacher import build_demo_teacher
+from cloud_service.settings import CloudSettings
+from shared.envelope import encode_envelope
+from shared.ids import new_sample_id
+from shared.messages import SampleHeader
+from shared.mqtt import make_client
+from shared.topics import Topics
+
+CLASSES = 10
+SIZE = 32
+
+
+@pytest.fixture(scope="session")
+def teacher_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small teacher-like ONNX model (seeded), built once per session."""
+    path = tmp_path_factory.mktemp("teacher") / "teacher.onnx"
+    return build_demo_teacher(path, size=SIZE, classes=CLASSES, hidden=128, seed=1)
+
+
+@pytest.fixture
+def make_settings(tmp_path: Path, teacher_path: Path) -> Callable[..., CloudSettings]:
+    """Settings for a test: its own data dir, the test teacher, quick batching."""
+
+    def make(**overrides: Any) -> CloudSettings:
+        values: dict[str, Any] = {
+            "data_dir": tmp_path / "data",
+            "teacher_model": teacher_path,
+            "max_queue_delay_ms": 2.0,
+            "blob_fsync": False,
+            "review_audit_share": 0.0,
+        }
+        values.update(overrides)
+        return CloudSettings(**values)
+
+    return make
+
+
+def image_bytes(size: int = SIZE, fmt: str = "JPEG", seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 255, (size, size, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def make_header(
+    image: bytes,
+    *,
+    fleet: str = "fleet-a",
+    agent: str = "cam-1",
+    sample_id: str | None = None,
+    size: int = SIZE,
+    fmt: str = "jpeg",
+    priority: int = 5,
+    predicted: int = 0,
+    confidence: float = 0.4,
+    captured_at: datetime | None = None,
+) -> SampleHeader:
+    scores = [0.0] * CLASSES
+    scores[predicted] = confidence
+    scores[(predicted + 1) % CLASSES] = 1 - confidence
+    return SampleHeader(
+        sample_id=sample_id or new_sample_id(),
+        fleet=fleet,
+        agent=agent,
+        captured_at=captured_at or datetime.now(UTC),
+        model_name="student",
+        model_version="s-1",
+        scores=scores,
+        predicted=predicted,
+        confidence=confidence,
+        route_reason="low_confidence",
+        priority=priority,
+        image_format=fmt,
+        image_width=size,
+        image_height=size,
+        image_bytes=len(image),
+    )
+
+
+def make_envelope(**kwargs: Any) -> tuple[SampleHeader, bytes]:
+    image = kwargs.pop("image", None) or image_bytes(kwargs.get("size", SIZE))
+    header = make_header(image, **kwargs)
+    return header, encode_envelope(header, image)
+
+
+class Collector:
+    """A plain MQTT subscriber that gathers messages by topic."""
+
+    def __init__(self, url: str, filters: list[str], protocol: str) -> None:
+        from shared.mqtt import MqttTarget
+
+        target = MqttTarget.parse(url)
+        self.messages: list[tuple[str, bytes]] = []
+        self.client = make_client(
+            target,
+            client_id=f"collector-{time.monotonic_ns()}",
+            protocol=protocol,  # type: ignore[arg-type]
+        )
+        self.client.on_message = self._on_message
+        self.client.connect(target.host, target.port)
+        self.client.loop_start()
+        for topic in filters:
+            info = self.client.subscribe(topic, qos=1)
+            assert info[0] == mqtt.MQTT_ERR_SUCCESS
+        time.sleep(0.2)
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        self.messages.append((message.topic, bytes(message.payload)))
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 15.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            time.sleep(0.02)
+        return predicate()
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+@pytest.fixture
+def collector_factory() -> Iterator[Callable[..., Collector]]:
+    made: list[Collector] = []
+
+    def make(url: str, filters: list[str], protocol: str) -> Collector:
+        collector = Collector(url, filters, protocol)
+        made.append(collector)
+        return collector
+
+    yield make
+    for collector in made:
+        collector.close()
+
+
+def publisher(url: str, protocol: str) -> mqtt.Client:
+    from shared.mqtt import MqttTarget
+
+    target = MqttTarget.parse(url)
+    client = make_client(
+        target,
+        client_id=f"pub-{time.monotonic_ns()}",
+        protocol=protocol,  # type: ignore[arg-type]
+    )
+    client.max_inflight_messages_set(1000)
+    client.connect(target.host, target.port)
+    client.loop_start()
+    return client
+
+
+def topic_prefix(topics: Topics) -> str:
+    return topics.prefix

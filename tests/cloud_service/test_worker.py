@@ -1,0 +1,199 @@
+"""Ingest and verification through the real broker into both databases."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+
+import pytest
+from conftest import image_bytes, make_envelope, make_header, publisher
+from sqlalchemy import func, select
+
+from cloud_service.db.models import Agent, DeadLetter, Sample, Verdict
+from cloud_service.settings import CloudSettings
+from cloud_service.worker import VerifierWorker
+from shared.messages import AgentStatus, Receipt, encode_message
+from shared.messages import Verdict as VerdictMessage
+from shared.topics import Topics
+
+pytestmark = [pytest.mark.mqtt, pytest.mark.sql]
+
+
+@contextmanager
+def running_worker(
+    make_settings: Callable[..., CloudSettings],
+    broker: object,
+    topics: Topics,
+    database_url: str,
+    **overrides: object,
+) -> Iterator[VerifierWorker]:
+    settings = make_settings(
+        mqtt_url=broker.url,  # type: ignore[attr-defined]
+        topic_prefix=topics.prefix,
+        database_url=database_url,
+        verifier_client_id=f"test-verifier-{uuid.uuid4().hex[:8]}",
+        mqtt_session_expiry_s=30,
+        **overrides,
+    )
+    with VerifierWorker(settings) as worker:
+        yield worker
+
+
+def _raw_envelope(header: bytes, image: bytes, *, version: int = 1) -> bytes:
+    crc = zlib.crc32(image, zlib.crc32(header))
+    return struct.pack(">4sBBHI", b"ELSE", version, 0, len(header), crc) + header + image
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_samples_are_stored_receipted_and_verified(
+    make_settings, broker, topics, database_url, collector_factory
+) -> None:
+    fleet, agent = "fleet-a", "cam-1"
+    collector = collector_factory(
+        broker.url, [topics.receipts(fleet, agent), topics.verdicts(fleet, agent)], broker.protocol
+    )
+    with running_worker(make_settings, broker, topics, database_url) as worker:
+        pub = publisher(broker.url, broker.protocol)
+        sent = []
+        for i in range(40):
+            header, envelope = make_envelope(fleet=fleet, agent=agent, priority=i % 10)
+            sent.append(header.sample_id)
+            pub.publish(topics.samples(fleet, agent), envelope, qos=1)
+        # The same sample twice more: stored once, receipted each time.
+        header, envelope = make_envelope(fleet=fleet, agent=agent, sample_id=sent[0])
+        pub.publish(topics.samples(fleet, agent), envelope, qos=1).wait_for_publish(5)
+        assert _wait(lambda: worker.counts["verdicts"] >= 40)
+        pub.publish(topics.samples(fleet, agent), envelope, qos=1).wait_for_publish(5)
+        assert _wait(lambda: worker.counts["duplicates"] >= 2)
+
+        def receipted() -> set[str]:
+            ids: set[str] = set()
+            for topic, payload in collector.messages:
+                if topic.endswith("/receipts"):
+                    ids.update(Receipt.model_validate_json(payload).sample_ids)
+            return ids
+
+        assert collector.wait_for(lambda: receipted() >= set(sent))
+        assert collector.wait_for(
+            lambda: len({t for t, _ in collector.messages if t.endswith("/verdicts")}) > 0
+        )
+        with worker.sessions() as session:
+            assert session.scalar(select(func.count()).select_from(Sample)) == 40
+            assert session.scalar(select(func.count()).select_from(Verdict)) == 40
+            statuses = set(session.scalars(select(Sample.status)).all())
+            assert statuses <= {"verified", "flagged"}
+        pub.loop_stop()
+        pub.disconnect()
+    verdicts = [
+        VerdictMessage.model_validate_json(p) for t, p in collector.messages if "verdicts" in t
+    ]
+    # 40 new verdicts, plus the stored one republished for the duplicate after verification.
+    assert {v.sample_id for v in verdicts} == set(sent)
+    assert len(verdicts) >= 40
+    assert all(v.teacher_model == "teacher" and len(v.scores) == 10 for v in verdicts)
+    metrics = worker.metrics.render().decode()
+    assert "edgeloop_verifier_batch_size_count" in metrics
+    assert 'edgeloop_agent_forwarded_samples_total{agent="cam-1",fleet="fleet-a"} 42.0' in metrics
+
+
+def test_every_malformed_case_lands_in_dead_letters_with_its_reason(
+    make_settings, broker, topics, database_url
+) -> None:
+    fleet, agent = "fleet-a", "cam-1"
+    topic = topics.samples(fleet, agent)
+    good_image = image_bytes()
+    header = make_header(good_image, fleet=fleet, agent=agent)
+    header_json = json.loads(encode_message(header))
+
+    def with_fields(**fields: object) -> bytes:
+        return json.dumps({**header_json, **fields}).encode()
+
+    truncated_jpeg = good_image[: len(good_image) // 2]
+    big_png = image_bytes(size=64, fmt="PNG", seed=3)
+    cases: dict[str, bytes] = {
+        "truncated": b"ELSE",
+        "bad_magic": b"this is not an envelope at all",
+        "checksum": _raw_envelope(encode_message(header), good_image)[:-1] + b"\x00",
+        "unknown_schema": _raw_envelope(with_fields(schema="edgeloop.verdict"), good_image),
+        "unsupported_version": _raw_envelope(with_fields(v=2), good_image),
+        "invalid_message": _raw_envelope(with_fields(confidence="high"), good_image),
+        "too_large": make_envelope(image=big_png, size=64, fmt="png", fleet=fleet, agent=agent)[1],
+        "bad_image": _raw_envelope(
+            encode_message(make_header(truncated_jpeg, fleet=fleet, agent=agent)),
+            truncated_jpeg,
+        ),
+        "topic_mismatch": make_envelope(fleet=fleet, agent="cam-2")[1],
+    }
+    # A newer envelope format version is refused too (reason unsupported_version).
+    extra = _raw_envelope(encode_message(header), good_image, version=9)
+    with running_worker(
+        make_settings, broker, topics, database_url, max_image_bytes=4096
+    ) as worker:
+        pub = publisher(broker.url, broker.protocol)
+        for payload in [*cases.values(), extra]:
+            pub.publish(topic, payload, qos=1).wait_for_publish(5)
+        # A status on the samples topic is refused as invalid too, never stored.
+        assert _wait(lambda: worker.counts["dead_letters"] >= len(cases) + 1)
+        pub.loop_stop()
+        pub.disconnect()
+        with worker.sessions() as session:
+            rows = session.scalars(select(DeadLetter).order_by(DeadLetter.id)).all()
+            assert session.scalar(select(func.count()).select_from(Sample)) == 0
+        metrics = worker.metrics.render().decode()
+    reasons = [row.reason for row in rows]
+    assert reasons == [*cases.keys(), "unsupported_version"], [(r.reason, r.message) for r in rows]
+    for row in rows:
+        assert row.message and row.topic == topic and row.payload_size > 0
+    assert 'edgeloop_dead_letters_total{reason="topic_mismatch"} 1.0' in metrics
+
+
+def test_agent_status_and_last_will_update_the_agents_table(
+    make_settings, broker, topics, database_url
+) -> None:
+    fleet, agent = "fleet-a", "cam-9"
+    with running_worker(make_settings, broker, topics, database_url) as worker:
+        pub = publisher(broker.url, broker.protocol)
+        online = AgentStatus(
+            fleet=fleet,
+            agent=agent,
+            state="online",
+            sent_at=datetime.now(UTC),
+            model_version="s-7",
+            frames_per_s=29.5,
+            spool_depth=3,
+        )
+        pub.publish(topics.status(fleet, agent), encode_message(online), qos=1).wait_for_publish(5)
+
+        def state() -> str | None:
+            with worker.sessions() as session:
+                row = session.get(Agent, agent)
+                return row.state if row else None
+
+        assert _wait(lambda: state() == "online")
+        offline = AgentStatus(fleet=fleet, agent=agent, state="offline", sent_at=datetime.now(UTC))
+        pub.publish(topics.status(fleet, agent), encode_message(offline), qos=1).wait_for_publish(5)
+        assert _wait(lambda: state() == "offline")
+        # A status naming another agent than its topic is refused.
+        pub.publish(topics.status(fleet, "cam-8"), encode_message(offline), qos=1)
+        assert _wait(lambda: worker.counts["dead_letters"] == 1)
+        pub.publish(topics.status(fleet, agent), b"", qos=1, retain=True)  # clears retained
+        pub.loop_stop()
+        pub.disconnect()
+        with worker.sessions() as session:
+            row = session.get(Agent, agent)
+            assert row is not None and row.model_version == "s-7"
+            assert row.telemetry.get("frames_per_s") is None  # the offline status replaced it
