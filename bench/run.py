@@ -20,7 +20,7 @@ from typing import Any
 
 from bench.common import machine_info
 
-SECTIONS = ["envelope", "models"]
+SECTIONS = ["envelope", "models", "agent", "cloud"]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

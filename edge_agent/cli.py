@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import getpass
+import json
+import sqlite3
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import typer
 
 from edge_agent.settings import AgentSettings
-from shared.console import ConfigOption, JsonOption, load_settings, print_json, settings_view
+from shared.console import ConfigOption, JsonOption, fail, load_settings, print_json, settings_view
+from shared.errors import EdgeLoopError
 
 app = typer.Typer(
     help="EdgeLoop edge agent: quantized student on camera frames.", no_args_is_help=True
 )
+
+DEFAULT_CONFIG = Path("~/.config/edgeloop/agent.toml")
 
 
 @app.command("settings")
@@ -24,6 +32,176 @@ def show_settings(config: Path | None = ConfigOption, as_json: bool = JsonOption
         return
     for key in sorted(view):
         typer.echo(f"{key} = {view[key]}")
+
+
+@app.command("run")
+def run(
+    config: Path | None = ConfigOption,
+    host: str | None = typer.Option(
+        None, "--host", help="HTTP API address (default from settings)."
+    ),
+    port: int | None = typer.Option(None, "--port", help="HTTP API port (default from settings)."),
+) -> None:
+    """Run the agent: sources, student, spool, uplink and the local HTTP API."""
+    from edge_agent.service import run_agent
+
+    overrides: dict[str, Any] = {}
+    if host is not None:
+        overrides["http_host"] = host
+    if port is not None:
+        overrides["http_port"] = port
+    settings = load_settings(AgentSettings, config, **overrides)
+    try:
+        run_agent(settings)
+    except EdgeLoopError as exc:
+        fail(exc.message)
+
+
+def _spool_summary(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {"path": str(path), "exists": False}
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        depth, size = db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM samples").fetchone()
+        counters = dict(db.execute("SELECT name, value FROM counters").fetchall())
+    finally:
+        db.close()
+    return {"path": str(path), "exists": True, "depth": depth, "bytes": size, **counters}
+
+
+@app.command("status")
+def status(
+    config: Path | None = ConfigOption,
+    as_json: bool = JsonOption,
+    timeout: float = typer.Option(2.0, help="Seconds to wait for the running agent."),
+) -> None:
+    """Show the running agent's status (its local API), else what its spool holds."""
+    import httpx
+
+    settings = load_settings(AgentSettings, config)
+    url = f"http://{settings.http_host}:{settings.http_port}/v1/status"
+    data: dict[str, Any]
+    try:
+        response = httpx.get(url, timeout=timeout)
+        response.raise_for_status()
+        data = {"running": True, **response.json()}
+    except httpx.HTTPError as exc:
+        data = {
+            "running": False,
+            "error": f"no agent answered at {url}: {exc}",
+            "spool": _spool_summary(settings.resolved_spool_path),
+        }
+    if as_json:
+        print_json(data)
+        return
+    if not data["running"]:
+        typer.echo(data["error"])
+        typer.echo(f"spool: {json.dumps(data['spool'])}")
+        raise typer.Exit(1)
+    model = data["model"]
+    typer.echo(
+        f"agent {data['fleet']}/{data['agent']}: ready={data['ready']}"
+        f" connected={data['connected']}"
+    )
+    typer.echo(f"model {model['name']} {model['version']} on {model['provider']}")
+    typer.echo(
+        f"frames/s {data['frames_per_s']:.2f}  p50 {data['latency_p50_ms']} ms"
+        f"  p99 {data['latency_p99_ms']} ms  forward rate {data['forward_rate']}"
+    )
+    typer.echo(
+        f"spool {data['spool']['depth']} samples, {data['spool']['bytes']} bytes;"
+        f" dropped frames {data['dropped_frames']}"
+    )
+    for source in data["sources"]:
+        typer.echo(
+            f"source {source['name']} ({source['kind']}): {source['state']}"
+            f" {source.get('last_error') or ''}"
+        )
+
+
+@app.command("enroll")
+def enroll_command(
+    cloud: str = typer.Option(..., "--cloud", help="The cloud service's base URL."),
+    token: str = typer.Option(..., "--token", help="One-time enrollment token."),
+    config: Path = typer.Option(DEFAULT_CONFIG, "--config", "-c", help="Config file to write."),
+    agent_id: str | None = typer.Option(None, "--agent-id", help="Ask for this agent id."),
+    model_path: Path | None = typer.Option(None, "--model", help="Student model path to record."),
+    as_json: bool = JsonOption,
+) -> None:
+    """Exchange an enrollment token for this agent's identity and write its config (0600)."""
+    from edge_agent.enroll import enroll, write_config
+
+    path = config.expanduser()
+    keep: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            keep = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            fail(f"cannot read the existing config {path}: {exc}")
+    try:
+        answer = enroll(cloud, token, agent_id=agent_id)
+    except EdgeLoopError as exc:
+        fail(exc.message)
+    fields = (
+        "agent_id",
+        "fleet",
+        "mqtt_url",
+        "mqtt_username",
+        "mqtt_password",
+        "topic_prefix",
+        "fleet_public_key",
+        "key_id",
+        "api_token",
+        "cloud_url",
+    )
+    values = {key: answer.get(key) for key in fields}
+    if model_path is not None:
+        values["model_path"] = str(model_path)
+    write_config(path, values, keep=keep)
+    try:
+        AgentSettings.load(path)  # the file must be one the agent can run from
+    except EdgeLoopError as exc:
+        fail(f"wrote {path}, but it does not load: {exc.message}")
+    summary = {
+        "config": str(path),
+        "agent_id": answer["agent_id"],
+        "fleet": answer["fleet"],
+        "mqtt_url": answer["mqtt_url"],
+    }
+    if as_json:
+        print_json(summary)
+    else:
+        typer.echo(f"enrolled as {answer['fleet']}/{answer['agent_id']}; config written to {path}")
+
+
+@app.command("install-service")
+def install_service(
+    config: Path = typer.Option(..., "--config", "-c", help="The agent's config file."),
+    user: str = typer.Option(getpass.getuser(), "--user", help="User the service runs as."),
+    output: Path = typer.Option(
+        Path("/etc/systemd/system/edgeloop-agent.service"),
+        "--output",
+        "-o",
+        help="Where to write the unit.",
+    ),
+    data_dir: Path | None = typer.Option(None, "--data-dir", help="Default: from the settings."),
+) -> None:
+    """Write a systemd unit (restart policy, user, paths); prints the commands to enable it."""
+    from edge_agent.service import systemd_unit
+
+    settings = load_settings(AgentSettings, config)
+    unit = systemd_unit(
+        user=user,
+        config=config.expanduser().resolve(),
+        data_dir=(data_dir or settings.data_dir).expanduser().resolve(),
+    )
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(unit)
+    except OSError as exc:
+        fail(f"cannot write {output}: {exc} (run as root, or pass --output)")
+    typer.echo(f"wrote {output}")
+    typer.echo(f"next: sudo systemctl daemon-reload && sudo systemctl enable --now {output.stem}")
 
 
 if __name__ == "__main__":

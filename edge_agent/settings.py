@@ -5,14 +5,17 @@ from __future__ import annotations
 import re
 import socket
 from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from edge_agent.routing import DEFAULT_ORDER, RoutingPolicy, Strategy
 from shared.errors import InvalidIdError
 from shared.settings import EdgeLoopSettings
 from shared.topics import validate_id
 
-__all__ = ["AgentSettings", "default_agent_id"]
+__all__ = ["AgentSettings", "CameraSource", "FolderSource", "default_agent_id"]
 
 
 def default_agent_id() -> str:
@@ -29,6 +32,31 @@ def _as_value_error(check: Callable[[str, str], str], value: str, kind: str) -> 
         raise ValueError(exc.message) from exc
 
 
+class CameraSource(BaseModel):
+    """One OpenCV source: a device index ("0"), an RTSP/HTTP URL, or a video file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")
+    uri: str
+    max_fps: float = Field(default=10.0, gt=0)
+    loop: bool = True  # a video file starts again at its end
+    reconnect_min_s: float = Field(default=0.5, gt=0)
+    reconnect_max_s: float = Field(default=30.0, gt=0)
+
+
+class FolderSource(BaseModel):
+    """A watched folder: new JPEG/PNG files are inferred, then moved to ``done/``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")
+    path: Path
+    max_fps: float = Field(default=10.0, gt=0)
+    poll_s: float = Field(default=1.0, gt=0)
+    done_dir: Path | None = None  # default: {path}/done
+
+
 class AgentSettings(EdgeLoopSettings):
     """Settings of one edge agent (``EDGELOOP_*``; see README's configuration reference)."""
 
@@ -39,6 +67,59 @@ class AgentSettings(EdgeLoopSettings):
     fleet_public_key: str | None = Field(
         default=None, description="base64 ed25519 key that signs this fleet's models"
     )
+    key_id: str | None = None
+    cloud_url: str | None = None
+    api_token: SecretStr | None = None
+
+    # Model and inference.
+    model_path: Path | None = Field(
+        default=None, description="default: {data_dir}/models/student.onnx"
+    )
+    providers: list[str] | None = Field(
+        default=None, description="ORT providers by preference; default TensorRT, CUDA, CPU"
+    )
+    intra_op_threads: int = Field(default=0, ge=0)
+    trt_fp16: bool = True
+    trt_int8: bool = False
+    trt_cache_dir: Path | None = None
+    warmup_runs: int = Field(default=3, ge=0)
+    max_batch: int = Field(default=8, ge=1, le=1024)
+    max_wait_ms: float = Field(default=5.0, ge=0)
+    infer_timeout_s: float = Field(default=10.0, gt=0)
+
+    # Routing (strategies in route_order; None turns one off).
+    route_max_prob_below: float | None = Field(default=0.6, ge=0, le=1.01)
+    route_margin_below: float | None = Field(default=None, ge=0, le=1)
+    route_entropy_above: float | None = Field(default=None, ge=0)
+    route_class_thresholds: dict[str, float] = Field(default_factory=dict)
+    route_order: list[Strategy] = Field(default_factory=lambda: list(DEFAULT_ORDER))
+    audit_share: float = Field(default=0.01, ge=0, le=1)
+    budget_per_minute: int | None = Field(default=None, ge=0)
+    budget_per_hour: int | None = Field(default=None, ge=0)
+    budget_per_day: int | None = Field(default=None, ge=0)
+
+    # What is uploaded.
+    upload_max_side: int = Field(default=640, ge=16)
+    upload_jpeg_quality: int = Field(default=85, ge=10, le=100)
+    upload_recompress: bool = False
+
+    # Spool and uplink.
+    spool_path: Path | None = Field(default=None, description="default: {data_dir}/spool.db")
+    spool_max_bytes: int = Field(default=256 << 20, ge=1 << 16)
+    spool_max_samples: int = Field(default=100_000, ge=1)
+    resend_after_s: float = Field(default=30.0, gt=0)
+    mqtt_protocol: Literal["auto", "5", "3.1.1"] = "auto"
+    mqtt_keepalive_s: int = Field(default=30, ge=5)
+    reconnect_min_s: float = Field(default=0.5, gt=0)
+    reconnect_max_s: float = Field(default=30.0, gt=0)
+    heartbeat_s: float = Field(default=15.0, gt=0)
+
+    # Sources and results.
+    http_max_fps: float | None = Field(default=None, gt=0, description="None: unlimited")
+    cameras: list[CameraSource] = Field(default_factory=list)
+    folders: list[FolderSource] = Field(default_factory=list)
+    results_kept: int = Field(default=10_000, ge=1)
+    webhook_url: str | None = None
 
     @field_validator("fleet")
     @classmethod
@@ -50,6 +131,18 @@ class AgentSettings(EdgeLoopSettings):
     def _check_agent(cls, value: str) -> str:
         return _as_value_error(validate_id, value, "agent")
 
+    @field_validator("model_path", "spool_path", "trt_cache_dir", mode="after")
+    @classmethod
+    def _expand_paths(cls, value: Path | None) -> Path | None:
+        return value.expanduser() if value is not None else None
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> AgentSettings:
+        names = [c.name for c in self.cameras] + [f.name for f in self.folders]
+        if len(names) != len(set(names)):
+            raise ValueError(f"source names must be unique, got {names}")
+        return self
+
     def production_problems(self) -> list[str]:
         problems = super().production_problems()
         if not self.fleet_public_key:
@@ -58,3 +151,31 @@ class AgentSettings(EdgeLoopSettings):
                 "(run `edge-agent enroll` or set EDGELOOP_FLEET_PUBLIC_KEY)"
             )
         return problems
+
+    # Derived views.
+
+    @property
+    def resolved_model_path(self) -> Path:
+        return self.model_path or self.data_dir / "models" / "student.onnx"
+
+    @property
+    def resolved_spool_path(self) -> Path:
+        return self.spool_path or self.data_dir / "spool.db"
+
+    @property
+    def resolved_trt_cache_dir(self) -> Path:
+        return self.trt_cache_dir or self.data_dir / "trt-cache"
+
+    @property
+    def routing_policy(self) -> RoutingPolicy:
+        return RoutingPolicy(
+            max_prob_below=self.route_max_prob_below,
+            margin_below=self.route_margin_below,
+            entropy_above=self.route_entropy_above,
+            class_thresholds=dict(self.route_class_thresholds),
+            audit_share=self.audit_share,
+            order=tuple(self.route_order),
+            per_minute=self.budget_per_minute,
+            per_hour=self.budget_per_hour,
+            per_day=self.budget_per_day,
+        )

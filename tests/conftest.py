@@ -156,7 +156,11 @@ class MosquittoProcess:
             "persistence true\n"
             f"persistence_location {workdir}/\n"
             "max_queued_messages 100000\n"
-            f"log_dest file {workdir}/mosquitto.log\n" + extra_config
+            f"log_dest file {workdir}/mosquitto.log\n"
+            # As root, Mosquitto drops to its own user and then cannot write its
+            # persistence file here, so a restart would lose queued sessions.
+            + ("user root\n" if os.geteuid() == 0 else "")
+            + extra_config
         )
         self.process: subprocess.Popen[bytes] | None = None
 

@@ -1,0 +1,552 @@
+"""The Agent: frames in, answers out at once, unsure frames to the spool and the cloud.
+
+    with Agent(settings, engine=engine, publisher=link, clock=time.time) as agent:
+        result = agent.process(rgb, source="http")
+
+Entering starts the named background threads and stopping ends them in reverse:
+
+- ``inference-loop``  (MicroBatcher) batches frames across sources and runs the student
+- ``agent-post-*``    routes each answered frame; forwarded ones go into the spool
+- ``uplink-pump``     publishes due spool entries while the link is up
+- ``heartbeat-loop``  publishes the retained AgentStatus every ``heartbeat_s``
+- ``mqtt-io``         (MqttLink) the one thread that touches paho
+- ``webhook-loop``    posts verdicts to the user's application, when configured
+- one thread per camera and folder source
+
+Every I/O edge is a constructor argument (engine, publisher, clock), so tests swap
+the expensive ones for doubles and keep the cheap real ones (SQLite, Mosquitto).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from edge_agent.batcher import BatchResult, MicroBatcher
+from edge_agent.engine import Engine, EngineOptions, OrtEngine
+from edge_agent.imaging import DecodedImage, decode_image, encode_for_upload, resize_for_model
+from edge_agent.routing import Decision, Router
+from edge_agent.settings import AgentSettings
+from edge_agent.spool import Spool
+from edge_agent.telemetry import Telemetry
+from edge_agent.uplink import MqttLink, Publisher
+from shared.envelope import encode_envelope
+from shared.errors import EdgeLoopError, MessageError
+from shared.ids import new_sample_id
+from shared.images import ImageInfo
+from shared.messages import (
+    AgentStatus,
+    Receipt,
+    SampleHeader,
+    Verdict,
+    decode_message,
+    encode_message,
+)
+
+__all__ = ["Agent", "FrameResult", "build_engine", "build_publisher"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FrameResult:
+    """The agent's answer for one frame."""
+
+    sample_id: str
+    label: str
+    predicted: int
+    scores: list[float]
+    confidence: float
+    forwarded: bool
+    route_reason: str | None
+    priority: int
+    over_budget: bool
+    latency_ms: float
+    model_name: str
+    model_version: str
+    source: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def build_engine(settings: AgentSettings) -> OrtEngine:
+    """The ORT student from settings (providers by preference, warm-up, TensorRT cache)."""
+    options = EngineOptions(
+        providers=tuple(settings.providers) if settings.providers else None,
+        intra_op_threads=settings.intra_op_threads,
+        trt_cache_dir=settings.resolved_trt_cache_dir,
+        trt_fp16=settings.trt_fp16,
+        trt_int8=settings.trt_int8,
+        warmup_runs=settings.warmup_runs,
+        warmup_batch=settings.max_batch,
+    )
+    return OrtEngine(settings.resolved_model_path, options)
+
+
+def _status_payload(settings: AgentSettings, state: str, **fields: Any) -> bytes:
+    status = AgentStatus(
+        fleet=settings.fleet,
+        agent=settings.agent_id,
+        state=state,
+        sent_at=datetime.now(UTC),
+        **{k: v for k, v in fields.items() if v is not None},
+    )
+    return encode_message(status)
+
+
+def build_publisher(settings: AgentSettings) -> MqttLink:
+    """The real MQTT link from settings: persistent session, last will 'offline'."""
+    topics = settings.topics
+    fleet, agent = settings.fleet, settings.agent_id
+    return MqttLink(
+        settings.mqtt,
+        client_id=f"edgeloop-agent-{fleet}-{agent}",
+        subscriptions=[topics.receipts(fleet, agent), topics.verdicts(fleet, agent)],
+        will=(topics.status(fleet, agent), _status_payload(settings, "offline")),
+        protocol=None if settings.mqtt_protocol == "auto" else settings.mqtt_protocol,
+        keepalive_s=settings.mqtt_keepalive_s,
+        backoff_min_s=settings.reconnect_min_s,
+        backoff_max_s=settings.reconnect_max_s,
+        ca_file=str(settings.mqtt_ca_file) if settings.mqtt_ca_file else None,
+    )
+
+
+class Agent:
+    """One edge agent; a context manager that owns its background threads."""
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        *,
+        engine: Engine | None = None,
+        publisher: Publisher | None = None,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+        start_sources: bool = True,
+    ) -> None:
+        self.settings = settings
+        self._engine_arg = engine
+        self._publisher_arg = publisher
+        self.clock = clock
+        self._rng = rng or random.Random()
+        self.start_sources = start_sources
+        self.telemetry = Telemetry()
+        topics = settings.topics
+        fleet, agent_id = settings.fleet, settings.agent_id
+        self.topic_samples = topics.samples(fleet, agent_id)
+        self.topic_receipts = topics.receipts(fleet, agent_id)
+        self.topic_verdicts = topics.verdicts(fleet, agent_id)
+        self.topic_status = topics.status(fleet, agent_id)
+        self._limits = settings.envelope_limits
+        self._router_lock = threading.Lock()  # Router keeps budget state
+        self._results_lock = threading.Lock()
+        self._results: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        self._stopping = threading.Event()
+        self._spooled = threading.Event()  # wakes the uplink pump
+        self._threads: list[threading.Thread] = []
+        self._sources: list[Any] = []
+        self._webhook_queue: queue.Queue[dict[str, Any]] = queue.Queue(1000)
+        self.ready = False
+        self.started_at = time.monotonic()
+        self.spool_errors = 0
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> Agent:
+        s = self.settings
+        self.engine: Engine = self._engine_arg or build_engine(s)
+        self.spool = Spool(
+            s.resolved_spool_path, max_bytes=s.spool_max_bytes, max_samples=s.spool_max_samples
+        )
+        self.router = Router(
+            s.routing_policy, labels=list(self.engine.labels), clock=self.clock, rng=self._rng
+        )
+        self.batcher = MicroBatcher(
+            self.engine, max_batch=s.max_batch, max_wait_s=s.max_wait_ms / 1000.0
+        ).start()
+        self._post = ThreadPoolExecutor(max_workers=2, thread_name_prefix="agent-post")
+        self.publisher: Publisher = self._publisher_arg or build_publisher(s)
+        self.publisher.set_handlers(on_message=self.handle_message, on_connect=self._on_connect)
+        self.publisher.start()
+        self._spawn("uplink-pump", self._pump_loop)
+        self._spawn("heartbeat-loop", self._heartbeat_loop)
+        if s.webhook_url:
+            self._spawn("webhook-loop", self._webhook_loop)
+        if self.start_sources:
+            self._start_sources()
+        self.ready = True
+        log.info(
+            "agent %s/%s ready: model %s %s on %s",
+            s.fleet,
+            s.agent_id,
+            self.engine.name,
+            self.engine.version,
+            self.engine.provider,
+        )
+        return self
+
+    def _start_sources(self) -> None:
+        from edge_agent.sources.camera import CameraReader
+        from edge_agent.sources.folder import FolderWatcher
+
+        for camera in self.settings.cameras:
+            self._sources.append(CameraReader(camera, self).start())
+        for folder in self.settings.folders:
+            self._sources.append(FolderWatcher(folder, self).start())
+
+    def _spawn(self, name: str, target: Callable[[], None]) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def stop(self) -> None:
+        self.ready = False
+        for source in self._sources:
+            source.stop()
+        self._stopping.set()
+        self._spooled.set()
+        self.batcher.stop()
+        self._post.shutdown(wait=True)
+        for thread in self._threads:
+            thread.join(5.0)
+        # A clean disconnect does not fire the will: say "offline" ourselves.
+        if self.publisher.connected:
+            self.publisher.publish(
+                self.topic_status, _status_payload(self.settings, "offline"), qos=1, retain=True
+            )
+            flush = getattr(self.publisher, "flush", None)
+            if flush is not None:
+                flush(2.0)
+        self.publisher.stop()
+        self.spool.close()
+
+    def __enter__(self) -> Agent:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # --- frames ------------------------------------------------------------------------
+
+    def decode(self, body: bytes) -> DecodedImage:
+        """Check and decode an upload (raises ImageRejected naming what is accepted)."""
+        return decode_image(
+            body, max_bytes=self.settings.max_image_bytes, max_pixels=self.settings.max_pixels
+        )
+
+    def submit(
+        self,
+        rgb: np.ndarray,
+        *,
+        source: str,
+        encoded: bytes | None = None,
+        info: ImageInfo | None = None,
+        block: bool = True,
+    ) -> Future[FrameResult]:
+        """Queue one RGB frame; the future resolves with the answer (routing included)."""
+        started = time.perf_counter()
+        captured_at = datetime.now(UTC)
+        tensor = resize_for_model(rgb, self.engine.input_hw)
+        inner = self.batcher.submit(tensor, block=block)
+        outer: Future[FrameResult] = Future()
+
+        def finish(done: Future[BatchResult]) -> None:
+            try:
+                result = self._finish(
+                    done.result(), rgb, source, encoded, info, captured_at, started
+                )
+            except BaseException as exc:
+                outer.set_exception(exc)
+            else:
+                outer.set_result(result)
+
+        def hand_over(done: Future[BatchResult]) -> None:
+            # Routing and spooling run off the inference thread so batches keep flowing.
+            try:
+                self._post.submit(finish, done)
+            except RuntimeError as exc:  # executor shut down: the agent is stopping
+                outer.set_exception(exc)
+
+        inner.add_done_callback(hand_over)
+        return outer
+
+    def process(self, rgb: np.ndarray, *, source: str, **kwargs: Any) -> FrameResult:
+        """Answer one frame (blocking)."""
+        return self.submit(rgb, source=source, **kwargs).result(self.settings.infer_timeout_s)
+
+    def process_upload(self, body: bytes, *, source: str = "http") -> FrameResult:
+        """Decode and answer one uploaded JPEG/PNG (blocking)."""
+        image = self.decode(body)
+        return self.process(image.rgb, source=source, encoded=image.encoded, info=image.info)
+
+    def _finish(
+        self,
+        batch: BatchResult,
+        rgb: np.ndarray,
+        source: str,
+        encoded: bytes | None,
+        info: ImageInfo | None,
+        captured_at: datetime,
+        started: float,
+    ) -> FrameResult:
+        scores = batch.scores
+        engine = batch.engine
+        with self._router_lock:
+            decision = self.router.decide(scores)
+        if decision.over_budget:
+            self.telemetry.over_budget.inc()
+        sample_id = new_sample_id()
+        forwarded = False
+        if decision.forward:
+            forwarded = self._spool_sample(
+                sample_id, decision, scores, engine, rgb, encoded, info, captured_at, source
+            )
+        latency = time.perf_counter() - started
+        labels = engine.labels
+        result = FrameResult(
+            sample_id=sample_id,
+            label=labels[decision.predicted]
+            if decision.predicted < len(labels)
+            else str(decision.predicted),
+            predicted=decision.predicted,
+            scores=[float(x) for x in scores],
+            confidence=decision.confidence,
+            forwarded=forwarded,
+            route_reason=decision.reason,
+            priority=decision.priority,
+            over_budget=decision.over_budget,
+            latency_ms=latency * 1e3,
+            model_name=engine.name,
+            model_version=engine.version,
+            source=source,
+        )
+        self.telemetry.batch_size.observe(batch.batch_size)
+        self.telemetry.record_frame(source, latency, forwarded, decision.reason)
+        self._remember(result)
+        return result
+
+    def _spool_sample(
+        self,
+        sample_id: str,
+        decision: Decision,
+        scores: np.ndarray,
+        engine: Engine,
+        rgb: np.ndarray,
+        encoded: bytes | None,
+        info: ImageInfo | None,
+        captured_at: datetime,
+        source: str,
+    ) -> bool:
+        s = self.settings
+        try:
+            image, image_info = encode_for_upload(
+                rgb,
+                original=encoded,
+                original_info=info,
+                max_side=s.upload_max_side,
+                quality=s.upload_jpeg_quality,
+                recompress=s.upload_recompress,
+            )
+            header = SampleHeader(
+                sample_id=sample_id,
+                fleet=s.fleet,
+                agent=s.agent_id,
+                captured_at=captured_at,
+                model_name=engine.name,
+                model_version=engine.version,
+                scores=[float(x) for x in scores],
+                predicted=decision.predicted,
+                confidence=min(1.0, max(0.0, decision.confidence)),
+                route_reason=decision.reason,
+                priority=decision.priority,
+                image_format=image_info.format,
+                image_width=image_info.width,
+                image_height=image_info.height,
+                image_bytes=len(image),
+                meta={"source": source},
+            )
+            payload = encode_envelope(header, image, self._limits)
+            stored = self.spool.put(
+                sample_id,
+                payload,
+                priority=decision.priority,
+                audit=decision.reason == "audit",
+                now=self.clock(),
+            )
+        except EdgeLoopError as exc:
+            # The frame is still answered; the failure is counted and shown in status.
+            self.spool_errors += 1
+            log.warning("could not spool sample %s: %s", sample_id, exc)
+            return False
+        if stored:
+            self._spooled.set()
+        return stored
+
+    def _remember(self, result: FrameResult) -> None:
+        with self._results_lock:
+            entry = self._results.setdefault(result.sample_id, {})
+            entry["result"] = result.as_dict()
+            while len(self._results) > self.settings.results_kept:
+                self._results.popitem(last=False)
+
+    def sample(self, sample_id: str) -> dict[str, Any] | None:
+        """The answer and (when it has arrived) the teacher's verdict for a sample id."""
+        with self._results_lock:
+            entry = self._results.get(sample_id)
+            return dict(entry) if entry is not None else None
+
+    # --- the uplink ----------------------------------------------------------------------
+
+    def _on_connect(self) -> None:
+        # Whatever was in flight when the link dropped may be lost: send it all again
+        # (the cloud stores by sample_id, so a repeat is stored once).
+        self.spool.reset_sent()
+        self._spooled.set()
+        self._publish_status()
+
+    def _pump_loop(self) -> None:
+        resend = self.settings.resend_after_s
+        while not self._stopping.is_set():
+            self._spooled.wait(0.25)  # also wakes for resends after the timeout
+            self._spooled.clear()
+            while not self._stopping.is_set() and self.publisher.connected:
+                if self.publisher.backlog >= 200:
+                    time.sleep(0.01)  # let the io thread drain its outbox first
+                    continue
+                try:
+                    due = self.spool.due(now=self.clock(), resend_after_s=resend, limit=100)
+                    for item in due:
+                        self.publisher.publish(self.topic_samples, item.payload, qos=1)
+                    self.spool.mark_sent([i.sample_id for i in due], now=self.clock())
+                except EdgeLoopError:
+                    log.exception("uplink pump failed; retrying")
+                    break
+                if len(due) < 100:
+                    break
+
+    def handle_message(self, topic: str, payload: bytes) -> None:
+        """Receipts delete spooled samples; verdicts are matched to samples. Never raises."""
+        try:
+            if topic == self.topic_receipts:
+                receipt = decode_message(payload, Receipt)
+                removed = self.spool.ack(receipt.sample_ids)
+                self.telemetry.receipted.inc(removed)
+            elif topic == self.topic_verdicts:
+                self._on_verdict(decode_message(payload, Verdict))
+            else:
+                log.debug("ignoring message on %s", topic)
+        except MessageError as exc:
+            kind = "receipt" if topic == self.topic_receipts else "verdict"
+            self.telemetry.malformed.labels(kind, exc.reason).inc()
+            log.warning("refused a %s message on %s: %s", kind, topic, exc)
+        except EdgeLoopError as exc:
+            log.error("could not handle a message on %s: %s", topic, exc)
+
+    def _on_verdict(self, verdict: Verdict) -> None:
+        self.telemetry.record_verdict(verdict.agrees_with_edge)
+        data = verdict.model_dump(mode="json", by_alias=True)
+        with self._results_lock:
+            entry = self._results.setdefault(verdict.sample_id, {})
+            entry["verdict"] = data
+        if self.settings.webhook_url:
+            try:
+                self._webhook_queue.put_nowait(data)
+            except queue.Full:
+                log.warning("webhook queue full; verdict %s not posted", verdict.sample_id)
+
+    def _webhook_loop(self) -> None:
+        import httpx
+
+        url = self.settings.webhook_url
+        assert url is not None
+        with httpx.Client(timeout=5.0) as client:
+            while not self._stopping.is_set():
+                try:
+                    data = self._webhook_queue.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                for attempt in range(3):
+                    try:
+                        client.post(url, json=data).raise_for_status()
+                        break
+                    except httpx.HTTPError as exc:
+                        log.warning("webhook %s failed (%s), attempt %d", url, exc, attempt + 1)
+                        self._stopping.wait(0.5 * 2**attempt)
+
+    # --- status ----------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """Everything the heartbeat, ``/v1/status`` and ``edge-agent status`` show."""
+        spool = self.spool.stats()
+        t = self.telemetry
+        t.spool_depth.set(spool.depth)
+        t.spool_bytes.set(spool.bytes)
+        t.evicted.labels("audit").set(spool.evicted_audit)
+        t.evicted.labels("oldest").set(spool.evicted_oldest)
+        t.connected.set(int(self.publisher.connected))
+        snap = t.snapshot()
+        return {
+            "fleet": self.settings.fleet,
+            "agent": self.settings.agent_id,
+            "ready": self.ready,
+            "connected": self.publisher.connected,
+            "model": {
+                "name": self.engine.name,
+                "version": self.engine.version,
+                "provider": self.engine.provider,
+                "labels": list(self.engine.labels),
+                "input_hw": list(self.engine.input_hw),
+            },
+            "spool": asdict(spool),
+            "spool_errors": self.spool_errors,
+            "over_budget": self.router.over_budget,
+            "sources": [src.status() for src in self._sources],
+            "uptime_s": round(time.monotonic() - self.started_at, 1),
+            **snap,
+        }
+
+    def _publish_status(self) -> None:
+        st = self.status()
+        payload = _status_payload(
+            self.settings,
+            "online",
+            model_version=st["model"]["version"],
+            provider=st["model"]["provider"],
+            frames_per_s=st["frames_per_s"],
+            latency_p50_ms=st["latency_p50_ms"],
+            latency_p99_ms=st["latency_p99_ms"],
+            forward_rate=st["forward_rate"],
+            spool_depth=st["spool"]["depth"],
+            dropped_frames=st["dropped_frames"],
+            agreement_rate=st["agreement_rate"],
+            cpu_percent=st["cpu_percent"],
+            memory_mb=st["memory_mb"],
+            gpu=st["gpu"],
+        )
+        self.publisher.publish(self.topic_status, payload, qos=1, retain=True)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stopping.wait(self.settings.heartbeat_s):
+            if self.publisher.connected:
+                try:
+                    self._publish_status()
+                except Exception:  # telemetry must never stop the agent
+                    log.exception("heartbeat failed")

@@ -1,0 +1,88 @@
+"""Enrollment: trade a one-time token for the agent's identity, broker settings and keys.
+
+``POST {cloud}/v1/enroll`` with ``{"token", "agent_id"}`` answers the agent's id,
+fleet, broker URL and credentials, topic prefix, the fleet's public key and an API
+token. The answer is written as a TOML config file with mode 0600 (it holds
+credentials), which ``AgentSettings.load`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from shared.errors import ConfigError, TransportError
+
+__all__ = ["enroll", "write_config"]
+
+_REQUIRED = (
+    "agent_id",
+    "fleet",
+    "mqtt_url",
+    "topic_prefix",
+    "fleet_public_key",
+    "key_id",
+    "api_token",
+)
+
+
+def enroll(
+    cloud_url: str,
+    token: str,
+    *,
+    agent_id: str | None = None,
+    transport: httpx.BaseTransport | None = None,
+    timeout: float = 15.0,
+) -> dict[str, Any]:
+    """Exchange ``token`` for the agent's settings; raises ConfigError/TransportError."""
+    url = cloud_url.rstrip("/") + "/v1/enroll"
+    try:
+        with httpx.Client(transport=transport, timeout=timeout) as client:
+            response = client.post(url, json={"token": token, "agent_id": agent_id})
+    except httpx.HTTPError as exc:
+        raise TransportError(f"cannot reach the cloud at {url}: {exc}") from exc
+    if response.status_code != 200:
+        try:
+            detail = response.json().get("detail", response.text)
+        except ValueError:
+            detail = response.text[:200]
+        meaning = {401: "the token is unknown or expired", 409: "the token was already used"}
+        what = meaning.get(response.status_code, f"HTTP {response.status_code}")
+        raise ConfigError(f"enrollment refused: {what} ({detail})")
+    try:
+        data = response.json()
+    except ValueError as exc:
+        raise ConfigError(f"enrollment answer from {url} is not JSON") from exc
+    missing = [key for key in _REQUIRED if not data.get(key)]
+    if not isinstance(data, dict) or missing:
+        raise ConfigError(f"enrollment answer from {url} lacks {missing}")
+    data["cloud_url"] = cloud_url
+    return data
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    # A JSON string is a valid TOML basic string (same escapes).
+    return json.dumps(str(value))
+
+
+def write_config(path: Path, values: dict[str, Any], *, keep: dict[str, Any] | None = None) -> Path:
+    """Write flat ``key = value`` TOML with mode 0600 (created so, never world-readable)."""
+    merged = {**(keep or {}), **{k: v for k, v in values.items() if v is not None}}
+    lines = ["# Written by `edge-agent enroll`; holds credentials (mode 0600)."]
+    lines += [f"{key} = {_toml_value(value)}" for key, value in sorted(merged.items())]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,168 @@
+"""Which frames go to the cloud: strategies in order, an audit share, and budgets.
+
+Pure and clock-injected, so each rule is tested without threads or a broker:
+
+    router = Router(RoutingPolicy(max_prob_below=0.6, audit_share=0.01), clock=time.monotonic)
+    decision = router.decide(scores)   # Decision(forward, reason, priority, ...)
+
+Strategies run in the order of ``RoutingPolicy.order``; the first that fires names
+the reason. A confident frame is forwarded as an audit sample with probability
+``audit_share`` (drawn independently of its scores, so the cloud's estimate of edge
+accuracy on confident frames is unbiased). Budgets (per minute, hour, day) cap what
+is forwarded; a frame over budget is answered but not forwarded and counted.
+Priority (0 most urgent .. 9) grows with how unsure the student was; audit samples
+get the lowest priority.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+__all__ = ["Budget", "Decision", "Router", "RoutingPolicy", "Strategy", "uncertainty"]
+
+Strategy = Literal["low_confidence", "margin", "entropy", "class_threshold"]
+DEFAULT_ORDER: tuple[Strategy, ...] = ("low_confidence", "margin", "entropy", "class_threshold")
+AUDIT_PRIORITY = 9
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    """The routing knobs; ``None`` turns a strategy or a budget off."""
+
+    max_prob_below: float | None = 0.6
+    margin_below: float | None = None
+    entropy_above: float | None = None  # in nats
+    class_thresholds: Mapping[str, float] = field(default_factory=dict)  # label -> min confidence
+    audit_share: float = 0.0
+    order: tuple[Strategy, ...] = DEFAULT_ORDER
+    per_minute: int | None = None
+    per_hour: int | None = None
+    per_day: int | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with one frame."""
+
+    forward: bool
+    reason: str | None  # a shared RouteReason when forwarded or over budget
+    priority: int
+    confidence: float
+    predicted: int
+    margin: float
+    entropy: float
+    over_budget: bool = False
+
+
+class Budget:
+    """At most ``limit`` events in any window of ``window_s`` seconds (sliding log)."""
+
+    def __init__(self, limit: int, window_s: float) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self._times: deque[float] = deque()
+
+    def _expire(self, now: float) -> None:
+        while self._times and self._times[0] <= now - self.window_s:
+            self._times.popleft()
+
+    def available(self, now: float) -> bool:
+        self._expire(now)
+        return len(self._times) < self.limit
+
+    def take(self, now: float) -> None:
+        self._times.append(now)
+
+    def used(self, now: float) -> int:
+        self._expire(now)
+        return len(self._times)
+
+
+def uncertainty(scores: np.ndarray) -> tuple[int, float, float, float]:
+    """(predicted, max probability, top-2 margin, entropy in nats) of a probability row."""
+    p = np.asarray(scores, dtype=np.float64)
+    predicted = int(np.argmax(p))
+    top = float(p[predicted])
+    second = float(np.partition(p, -2)[-2]) if p.size > 1 else 0.0
+    clipped = np.clip(p, 1e-12, 1.0)
+    entropy = float(-(p * np.log(clipped)).sum())
+    return predicted, top, top - second, entropy
+
+
+def _priority(confidence: float, classes: int) -> int:
+    """0 (least sure: near-uniform scores) .. 8 (nearly confident)."""
+    floor = 1.0 / max(classes, 1)
+    span = max(1e-9, 1.0 - floor)
+    sureness = min(1.0, max(0.0, (confidence - floor) / span))
+    return min(8, math.floor(sureness * 9))
+
+
+class Router:
+    """Applies a RoutingPolicy to score rows; keeps budget state. Not thread-safe by itself."""
+
+    def __init__(
+        self,
+        policy: RoutingPolicy,
+        *,
+        labels: list[str] | None = None,
+        clock: Callable[[], float],
+        rng: random.Random | None = None,
+    ) -> None:
+        self.policy = policy
+        self.labels = labels or []
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._budgets = [
+            Budget(limit, window)
+            for limit, window in (
+                (policy.per_minute, 60.0),
+                (policy.per_hour, 3600.0),
+                (policy.per_day, 86400.0),
+            )
+            if limit is not None
+        ]
+        self.over_budget = 0
+
+    def _fires(
+        self, strategy: Strategy, predicted: int, top: float, margin: float, ent: float
+    ) -> bool:
+        p = self.policy
+        if strategy == "low_confidence":
+            return p.max_prob_below is not None and top < p.max_prob_below
+        if strategy == "margin":
+            return p.margin_below is not None and margin < p.margin_below
+        if strategy == "entropy":
+            return p.entropy_above is not None and ent > p.entropy_above
+        if strategy == "class_threshold":
+            label = self.labels[predicted] if predicted < len(self.labels) else str(predicted)
+            threshold = p.class_thresholds.get(label, p.class_thresholds.get(str(predicted)))
+            return threshold is not None and top < threshold
+        raise ValueError(f"unknown routing strategy {strategy!r}")
+
+    def decide(self, scores: np.ndarray) -> Decision:
+        predicted, top, margin, ent = uncertainty(scores)
+        reason: str | None = None
+        for strategy in self.policy.order:
+            if self._fires(strategy, predicted, top, margin, ent):
+                reason = strategy
+                break
+        priority = _priority(top, len(scores))
+        # Drawn for every confident frame, independent of its scores: an unbiased audit.
+        if reason is None and self._rng.random() < self.policy.audit_share:
+            reason, priority = "audit", AUDIT_PRIORITY
+        if reason is None:
+            return Decision(False, None, priority, top, predicted, margin, ent)
+        now = self._clock()
+        if not all(b.available(now) for b in self._budgets):
+            self.over_budget += 1
+            return Decision(False, reason, priority, top, predicted, margin, ent, over_budget=True)
+        for budget in self._budgets:
+            budget.take(now)
+        return Decision(True, reason, priority, top, predicted, margin, ent)

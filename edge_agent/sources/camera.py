@@ -1,0 +1,180 @@
+"""OpenCV sources: a device index, an RTSP/HTTP stream, or a video file in a loop.
+
+A live source never queues: at most ``max_inflight`` frames are with the agent and
+one more waits in a single slot; a newer frame replaces the waiting one and the
+replaced frame is counted as dropped. So when inference falls behind, the agent
+answers the newest frame and memory stays flat. A video file is not live: its
+reader waits for room instead of dropping (reading ahead would only waste decoding).
+
+A source that fails to open or stops delivering is reopened with jittered
+exponential backoff; its state (running, reconnecting) shows in status.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import cv2
+import numpy as np
+
+from edge_agent.settings import CameraSource
+from edge_agent.uplink import Backoff
+from shared.errors import EdgeLoopError
+
+if TYPE_CHECKING:
+    from edge_agent.agent import Agent, FrameResult
+
+__all__ = ["CameraReader", "open_capture"]
+
+log = logging.getLogger(__name__)
+
+
+def open_capture(uri: str) -> cv2.VideoCapture:
+    """A VideoCapture for a device index ("0"), a stream URL or a file path."""
+    return cv2.VideoCapture(int(uri) if uri.isdigit() else uri)
+
+
+class CameraReader:
+    """Reads one OpenCV source in its own thread and submits frames to the agent."""
+
+    def __init__(
+        self,
+        config: CameraSource,
+        agent: Agent,
+        *,
+        max_inflight: int | None = None,
+        opener: Callable[[str], Any] = open_capture,
+        live: bool | None = None,
+    ) -> None:
+        self.config = config
+        self.agent = agent
+        self.name = config.name
+        self._open = opener  # a seam: tests pass a fake capture
+        self.is_file = (not live) if live is not None else Path(config.uri).is_file()
+        self.max_inflight = max_inflight or max(1, agent.settings.max_batch)
+        self._lock = threading.Lock()  # guards inflight and the waiting slot
+        self._room = threading.Condition(self._lock)
+        self._inflight = 0
+        self._waiting: np.ndarray | None = None
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.state = "starting"
+        self.frames = 0
+        self.answered = 0
+        self.dropped = 0
+        self.reconnects = 0
+        self.last_error: str | None = None
+        self._backoff = Backoff(config.reconnect_min_s, config.reconnect_max_s)
+
+    def start(self) -> CameraReader:
+        self._thread = threading.Thread(target=self._run, name=f"camera-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping.set()
+        with self._room:
+            self._room.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.state = "stopped"
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": "camera",
+            "uri": self.config.uri,
+            "state": self.state,
+            "frames": self.frames,
+            "answered": self.answered,
+            "dropped": self.dropped,
+            "reconnects": self.reconnects,
+            "last_error": self.last_error,
+        }
+
+    # --- the reader thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        period = 1.0 / self.config.max_fps
+        while not self._stopping.is_set():
+            capture = self._open(self.config.uri)
+            if not capture.isOpened():
+                capture.release()
+                self._lost(f"cannot open {self.config.uri}")
+                continue
+            self.state = "running"
+            self.agent.telemetry.source_up.labels(self.name).set(1)
+            self._backoff.reset()
+            next_at = time.monotonic()
+            try:
+                while not self._stopping.is_set():
+                    ok, frame = capture.read()
+                    if not ok:
+                        if self.is_file and self.config.loop and self.frames:
+                            capture.set(cv2.CAP_PROP_POS_FRAMES, 0)
+                            ok, frame = capture.read()
+                        if not ok:
+                            break
+                    now = time.monotonic()
+                    if now < next_at:
+                        if not self.is_file:
+                            continue  # over the source's max rate: skip, not a drop
+                        self._stopping.wait(next_at - now)
+                    next_at = max(next_at + period, time.monotonic() - period)
+                    self.frames += 1
+                    self._offer(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+            finally:
+                capture.release()
+            if not self._stopping.is_set():
+                self._lost(f"{self.config.uri} stopped delivering frames")
+
+    def _lost(self, why: str) -> None:
+        self.state = "reconnecting"
+        self.last_error = why
+        self.reconnects += 1
+        self.agent.telemetry.source_up.labels(self.name).set(0)
+        delay = self._backoff.next_delay()
+        log.warning("camera %s: %s; retrying in %.1fs", self.name, why, delay)
+        self._stopping.wait(delay)
+
+    def _offer(self, rgb: np.ndarray) -> None:
+        with self._room:
+            if self.is_file:
+                while self._inflight >= self.max_inflight and not self._stopping.is_set():
+                    self._room.wait(0.5)
+            elif self._inflight >= self.max_inflight:
+                if self._waiting is not None:
+                    self.dropped += 1
+                    self.agent.telemetry.record_dropped(self.name)
+                self._waiting = rgb
+                return
+            self._inflight += 1
+        self._submit(rgb)
+
+    def _submit(self, rgb: np.ndarray) -> None:
+        try:
+            future = self.agent.submit(rgb, source=self.name)
+        except (EdgeLoopError, RuntimeError) as exc:  # stopping, or the queue is full
+            self._done_one(None, exc)
+            return
+        future.add_done_callback(lambda f: self._done_one(f, None))
+
+    def _done_one(self, future: Future[FrameResult] | None, error: BaseException | None) -> None:
+        if future is not None and future.exception() is None:
+            self.answered += 1
+        elif error is not None or future is not None:
+            self.last_error = str(error or (future.exception() if future else ""))
+        with self._room:
+            self._inflight -= 1
+            waiting, self._waiting = self._waiting, None
+            if waiting is not None and not self._stopping.is_set():
+                self._inflight += 1
+            self._room.notify_all()
+        if waiting is not None and not self._stopping.is_set():
+            self._submit(waiting)

@@ -1,0 +1,269 @@
+"""The agent's MQTT link: one paho client, confined to one thread.
+
+``MqttLink`` is the real ``Publisher``: persistent session (a stable client id,
+MQTT v5 clean_start=False with a session expiry, or a 3.1.1 persistent session),
+QoS 1, a retained last will on the status topic, TCP_NODELAY (shared.make_client),
+and reconnects with exponential backoff and full jitter. Every paho call happens on
+its ``mqtt-io`` thread; other threads hand messages over through ``publish``, which
+only enqueues. While disconnected the outbox is emptied: samples come back from
+the spool (``on_connect`` makes them all due again), heartbeats are re-sent anyway.
+
+A broker's PUBACK is not delivery (see ARCHITECTURE.md, "Delivery is end to end"):
+nothing here deletes anything; the agent does that on the cloud's receipt.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from shared.errors import TransportError
+from shared.mqtt import MqttTarget, ProtocolName, make_client, negotiate_protocol
+
+__all__ = ["Backoff", "MqttLink", "Publisher"]
+
+log = logging.getLogger(__name__)
+
+MessageHandler = Callable[[str, bytes], None]
+
+
+class Publisher(Protocol):
+    """The agent's seam to the network (MqttLink, or an in-memory double in tests)."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def backlog(self) -> int: ...
+
+    def set_handlers(
+        self, *, on_message: MessageHandler, on_connect: Callable[[], None]
+    ) -> None: ...
+
+    def publish(
+        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False
+    ) -> None: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class Backoff:
+    """Exponential backoff with full jitter: ``uniform(0, min(cap, base * 2**attempt))``."""
+
+    def __init__(self, base: float, cap: float, rng: random.Random | None = None) -> None:
+        self.base = base
+        self.cap = cap
+        self.attempt = 0
+        self._rng = rng or random.Random()
+
+    def next_delay(self) -> float:
+        ceiling = min(self.cap, self.base * (2**self.attempt))
+        self.attempt = min(self.attempt + 1, 30)
+        # Never zero: a broker coming back should not see every agent at once.
+        return max(self.base / 2, self._rng.uniform(0, ceiling))
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+class MqttLink:
+    """``link = MqttLink(target, client_id=..., subscriptions=[...], will=(topic, payload))``."""
+
+    def __init__(
+        self,
+        target: MqttTarget,
+        *,
+        client_id: str,
+        subscriptions: list[str],
+        will: tuple[str, bytes] | None = None,
+        protocol: ProtocolName | None = None,
+        keepalive_s: int = 30,
+        session_expiry_s: int = 7 * 86400,
+        backoff_min_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        ca_file: str | None = None,
+        max_outbox: int = 10_000,
+    ) -> None:
+        self.target = target
+        self.client_id = client_id
+        self.subscriptions = subscriptions
+        self.will = will
+        self.protocol = protocol  # None: negotiate on the first connection
+        self.keepalive_s = keepalive_s
+        self.session_expiry_s = session_expiry_s
+        self.ca_file = ca_file
+        self._backoff = Backoff(backoff_min_s, backoff_max_s)
+        self._outbox: collections.deque[tuple[str, bytes, int, bool]] = collections.deque(
+            maxlen=max_outbox
+        )
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._connected = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._client: mqtt.Client | None = None
+        self._on_message: MessageHandler = lambda topic, payload: None
+        self._on_connect: Callable[[], None] = lambda: None
+        self.connects = 0
+        self.disconnects = 0
+        self.published = 0
+        self.last_error: str | None = None
+
+    # --- Publisher ---------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    @property
+    def backlog(self) -> int:
+        return len(self._outbox)
+
+    def set_handlers(self, *, on_message: MessageHandler, on_connect: Callable[[], None]) -> None:
+        self._on_message = on_message
+        self._on_connect = on_connect
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+        self._outbox.append((topic, payload, qos, retain))
+        self._wake.set()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="mqtt-io", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Disconnect cleanly (the will is not sent then; the agent publishes 'offline' first)."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until the outbox is handed to the socket (for the final 'offline' status)."""
+        deadline = time.monotonic() + timeout
+        while self._outbox and self.connected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._outbox
+
+    # --- the io thread -------------------------------------------------------------
+
+    def _build(self, protocol: ProtocolName) -> mqtt.Client:
+        client = make_client(
+            self.target,
+            client_id=self.client_id,
+            protocol=protocol,
+            clean_start=False,
+            ca_file=self.ca_file,
+        )
+        client.max_inflight_messages_set(100)
+        if self.will is not None:
+            client.will_set(self.will[0], self.will[1], qos=1, retain=True)
+        client.on_connect = self._handle_connect
+        client.on_disconnect = self._handle_disconnect
+        client.on_message = self._handle_message
+        return client
+
+    def _connect(self) -> mqtt.Client:
+        if self.protocol is None:
+            self.protocol = negotiate_protocol(self.target, timeout=5.0)
+        client = self._client or self._build(self.protocol)
+        self._client = client
+        if self.protocol == "5":
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = self.session_expiry_s
+            client.connect(
+                self.target.host,
+                self.target.port,
+                self.keepalive_s,
+                clean_start=False,
+                properties=props,
+            )
+        else:
+            client.connect(self.target.host, self.target.port, self.keepalive_s)
+        return client
+
+    def _sleep(self, seconds: float) -> None:
+        # Interruptible by stop(); publish() wake-ups are ignored while backing off.
+        self._stopping.wait(seconds)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                client = self._connect()
+            except (OSError, TransportError, mqtt.WebsocketConnectionError) as exc:
+                self.last_error = str(exc)
+                delay = self._backoff.next_delay()
+                log.info("broker %r unreachable (%s); retrying in %.1fs", self.target, exc, delay)
+                self._outbox.clear()
+                self._sleep(delay)
+                continue
+            self._serve(client)
+            self._connected.clear()
+            self._outbox.clear()
+            if not self._stopping.is_set():
+                delay = self._backoff.next_delay()
+                log.info("connection to %r lost; reconnecting in %.1fs", self.target, delay)
+                self._sleep(delay)
+        last = self._client
+        if last is not None:
+            try:
+                last.disconnect()
+                last.loop(0.1)
+            except Exception:  # best effort on the way out
+                log.debug("disconnect failed", exc_info=True)
+
+    def _serve(self, client: mqtt.Client) -> None:
+        """Run the socket until it drops or stop() is called."""
+        while not self._stopping.is_set():
+            if self._connected.is_set():
+                while self._outbox:
+                    topic, payload, qos, retain = self._outbox.popleft()
+                    info = client.publish(topic, payload, qos=qos, retain=retain)
+                    if info.rc != mqtt.MQTT_ERR_SUCCESS and info.rc != mqtt.MQTT_ERR_NO_CONN:
+                        log.warning("publish to %s failed: %s", topic, mqtt.error_string(info.rc))
+                    self.published += 1
+            rc = client.loop(timeout=0.02 if self._outbox else 0.05)
+            if rc != mqtt.MQTT_ERR_SUCCESS:
+                self.last_error = mqtt.error_string(rc)
+                return
+
+    def _handle_connect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
+    ) -> None:
+        if getattr(reason, "is_failure", False):
+            self.last_error = f"broker refused the connection: {reason}"
+            log.warning("%s", self.last_error)
+            return
+        for topic in self.subscriptions:
+            client.subscribe(topic, qos=1)
+        self.connects += 1
+        self._backoff.reset()
+        self._connected.set()
+        log.info("connected to %r (MQTT %s)", self.target, self.protocol)
+        try:
+            self._on_connect()
+        except Exception:
+            log.exception("on_connect handler failed")
+
+    def _handle_disconnect(self, client: mqtt.Client, *args: Any) -> None:
+        if self._connected.is_set():
+            self.disconnects += 1
+        self._connected.clear()
+
+    def _handle_message(
+        self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage
+    ) -> None:
+        try:
+            self._on_message(message.topic, bytes(message.payload))
+        except Exception:  # a handler bug must not take the link down
+            log.exception("message handler failed on %s", message.topic)

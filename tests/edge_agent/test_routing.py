@@ -1,0 +1,128 @@
+"""Each routing strategy, the audit share, budgets and priorities (pure, clock injected)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from edge_agent.routing import AUDIT_PRIORITY, Router, RoutingPolicy, uncertainty
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def router(**policy: object) -> tuple[Router, FakeClock]:
+    clock = FakeClock()
+    base: dict[str, object] = {"max_prob_below": None}
+    base.update(policy)
+    return Router(
+        RoutingPolicy(**base),  # type: ignore[arg-type]
+        labels=["cat", "dog", "bird"],
+        clock=clock,
+        rng=random.Random(0),
+    ), clock
+
+
+CONFIDENT = np.array([0.96, 0.03, 0.01])
+CLOSE_CALL = np.array([0.48, 0.47, 0.05])  # low max prob and a small margin
+FLAT = np.array([0.34, 0.33, 0.33])
+
+
+def test_uncertainty_measures() -> None:
+    predicted, top, margin, entropy = uncertainty(CLOSE_CALL)
+    assert predicted == 0
+    assert top == pytest.approx(0.48)
+    assert margin == pytest.approx(0.01)
+    expected = -sum(p * math.log(p) for p in CLOSE_CALL)
+    assert entropy == pytest.approx(expected)
+
+
+def test_low_confidence() -> None:
+    r, _ = router(max_prob_below=0.6)
+    assert r.decide(CLOSE_CALL).reason == "low_confidence"
+    assert r.decide(CLOSE_CALL).forward
+    assert not r.decide(CONFIDENT).forward
+
+
+def test_margin() -> None:
+    r, _ = router(margin_below=0.1)
+    decision = r.decide(CLOSE_CALL)
+    assert (decision.forward, decision.reason) == (True, "margin")
+    assert not r.decide(CONFIDENT).forward
+
+
+def test_entropy() -> None:
+    r, _ = router(entropy_above=1.0)
+    assert r.decide(FLAT).reason == "entropy"
+    assert not r.decide(CLOSE_CALL).forward  # entropy ~0.87 nats
+    assert not r.decide(CONFIDENT).forward
+
+
+def test_class_thresholds_by_label_and_index() -> None:
+    r, _ = router(class_thresholds={"cat": 0.99})
+    assert r.decide(CONFIDENT).reason == "class_threshold"  # cat at 0.96 < 0.99
+    dog = np.array([0.02, 0.97, 0.01])
+    assert not r.decide(dog).forward  # no threshold for dog
+    r2, _ = router(class_thresholds={"1": 0.98})
+    assert r2.decide(dog).reason == "class_threshold"
+
+
+def test_order_decides_the_reason() -> None:
+    r, _ = router(max_prob_below=0.6, margin_below=0.1, order=("margin", "low_confidence"))
+    assert r.decide(CLOSE_CALL).reason == "margin"
+    r2, _ = router(max_prob_below=0.6, margin_below=0.1)
+    assert r2.decide(CLOSE_CALL).reason == "low_confidence"
+
+
+def test_audit_share_of_confident_frames() -> None:
+    r, _ = router(max_prob_below=0.6, audit_share=0.1)
+    decisions = [r.decide(CONFIDENT) for _ in range(5000)]
+    audits = [d for d in decisions if d.forward]
+    assert all(d.reason == "audit" and d.priority == AUDIT_PRIORITY for d in audits)
+    assert 0.08 < len(audits) / 5000 < 0.12
+    # Unsure frames are forwarded for their own reason, never as audits.
+    assert r.decide(CLOSE_CALL).reason == "low_confidence"
+
+
+def test_no_audit_when_share_is_zero() -> None:
+    r, _ = router(audit_share=0.0)
+    assert not any(r.decide(CONFIDENT).forward for _ in range(1000))
+
+
+@pytest.mark.parametrize(
+    ("budget", "window"), [("per_minute", 60.0), ("per_hour", 3600.0), ("per_day", 86400.0)]
+)
+def test_budgets(budget: str, window: float) -> None:
+    r, clock = router(max_prob_below=0.6, **{budget: 3})
+    forwarded = [r.decide(CLOSE_CALL) for _ in range(5)]
+    assert [d.forward for d in forwarded] == [True, True, True, False, False]
+    assert forwarded[-1].over_budget and forwarded[-1].reason == "low_confidence"
+    assert r.over_budget == 2
+    clock.now += window - 1
+    assert not r.decide(CLOSE_CALL).forward  # the window has not passed yet
+    clock.now += 1.5
+    assert r.decide(CLOSE_CALL).forward  # the first three expired
+
+
+def test_budgets_combine() -> None:
+    r, clock = router(max_prob_below=0.6, per_minute=2, per_hour=3)
+    assert [r.decide(CLOSE_CALL).forward for _ in range(3)] == [True, True, False]
+    clock.now += 61
+    assert [r.decide(CLOSE_CALL).forward for _ in range(2)] == [True, False]  # hour caps at 3
+
+
+def test_priority_follows_uncertainty() -> None:
+    r, _ = router(max_prob_below=1.01)
+    flat = r.decide(FLAT).priority
+    close = r.decide(CLOSE_CALL).priority
+    sure = r.decide(CONFIDENT).priority
+    assert flat < close < sure <= 8
+    assert flat == 0

@@ -1,0 +1,188 @@
+"""Camera and folder sources: a looping video file, newest-frame-only, reconnects, folders."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+
+from edge_agent.agent import Agent
+from edge_agent.settings import AgentSettings, CameraSource, FolderSource
+from edge_agent.sources.camera import CameraReader
+from edge_agent.testing import MemoryPublisher
+
+
+def write_video(path: Path, frames: int = 10) -> Path:
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), 10.0, (64, 48))
+    rng = np.random.default_rng(0)
+    for _ in range(frames):
+        writer.write(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8))
+    writer.release()
+    return path
+
+
+class SlowEngine:
+    """Wraps the real engine, taking ``delay`` seconds per batch (inference falling behind)."""
+
+    def __init__(self, inner: object, delay: float) -> None:
+        self.inner = inner
+        self.delay = delay
+        self.name, self.version = "slow", "1"
+        self.labels = inner.labels  # type: ignore[attr-defined]
+        self.input_hw = inner.input_hw  # type: ignore[attr-defined]
+        self.provider = "cpu"
+
+    def run(self, frames: np.ndarray) -> np.ndarray:
+        time.sleep(self.delay)
+        return self.inner.run(frames)  # type: ignore[attr-defined,no-any-return]
+
+
+class FastCapture:
+    """A live camera double: frames as fast as they are read; fails after ``fail_after``."""
+
+    def __init__(self, fail_after: int | None = None) -> None:
+        self.reads = 0
+        self.fail_after = fail_after
+
+    def isOpened(self) -> bool:
+        return True
+
+    def read(self) -> tuple[bool, np.ndarray | None]:
+        self.reads += 1
+        if self.fail_after is not None and self.reads > self.fail_after:
+            return False, None
+        time.sleep(0.001)
+        return True, np.full((48, 64, 3), self.reads % 255, dtype=np.uint8)
+
+    def release(self) -> None:
+        pass
+
+
+def test_video_file_in_a_loop(
+    tmp_path: Path,
+    make_settings: Callable[..., AgentSettings],
+    engine: object,
+    until: Callable[..., bool],
+) -> None:
+    video = write_video(tmp_path / "clip.avi", frames=5)
+    settings = make_settings(cameras=[CameraSource(name="file-cam", uri=str(video), max_fps=200.0)])
+    with Agent(settings, engine=engine, publisher=MemoryPublisher()) as agent:  # type: ignore[arg-type]
+        assert until(lambda: agent.telemetry.frames_total >= 12, timeout=15)  # looped past 5
+        status = agent.status()["sources"][0]
+    assert status["state"] == "running"
+    assert status["dropped"] == 0  # a file waits for room instead of dropping
+
+
+def test_live_source_keeps_the_newest_frame_and_counts_drops(
+    make_settings: Callable[..., AgentSettings], engine: object, until: Callable[..., bool]
+) -> None:
+    settings = make_settings(max_batch=2)
+    capture = FastCapture()
+    with Agent(
+        settings,
+        engine=SlowEngine(engine, 0.05),
+        publisher=MemoryPublisher(),  # type: ignore[arg-type]
+        start_sources=False,
+    ) as agent:
+        reader = CameraReader(
+            CameraSource(name="live", uri="rtsp://camera/stream", max_fps=1000.0),
+            agent,
+            opener=lambda uri: capture,
+            live=True,
+        ).start()
+        time.sleep(1.0)
+        reader.stop()
+        status = reader.status()
+    assert status["dropped"] > 10
+    assert status["answered"] > 0
+    # Nothing queued up: every frame was either answered, dropped, or in flight at the end.
+    assert status["frames"] - status["answered"] - status["dropped"] <= 2 + 1
+    assert agent.batcher.pending == 0
+
+
+def test_disconnected_camera_is_retried_and_shows_in_status(
+    make_settings: Callable[..., AgentSettings], engine: object, until: Callable[..., bool]
+) -> None:
+    opened: list[int] = []
+
+    def opener(uri: str) -> FastCapture:
+        opened.append(1)
+        return FastCapture(fail_after=3)
+
+    with Agent(
+        settings := make_settings(),
+        engine=engine,
+        publisher=MemoryPublisher(),  # type: ignore[arg-type]
+        start_sources=False,
+    ) as agent:
+        reader = CameraReader(
+            CameraSource(
+                name="flaky",
+                uri="rtsp://x",
+                max_fps=1000.0,
+                reconnect_min_s=0.05,
+                reconnect_max_s=0.2,
+            ),
+            agent,
+            opener=opener,
+            live=True,
+        ).start()
+        assert until(lambda: len(opened) >= 3, timeout=10)
+        reader.stop()
+    assert reader.reconnects >= 2
+    assert reader.last_error is not None and "stopped delivering" in reader.last_error
+    assert settings.agent_id == "agent-1"
+
+
+def test_unopenable_camera(
+    make_settings: Callable[..., AgentSettings], engine: object, until: Callable[..., bool]
+) -> None:
+    settings = make_settings(
+        cameras=[CameraSource(name="gone", uri="/nonexistent/video.avi", reconnect_min_s=0.05)]
+    )
+    with Agent(settings, engine=engine, publisher=MemoryPublisher()) as agent:  # type: ignore[arg-type]
+        assert until(lambda: agent.status()["sources"][0]["state"] == "reconnecting", timeout=10)
+        assert "cannot open" in agent.status()["sources"][0]["last_error"]
+
+
+def test_watched_folder(
+    tmp_path: Path,
+    make_settings: Callable[..., AgentSettings],
+    engine: object,
+    make_image: Callable[..., bytes],
+    until: Callable[..., bool],
+) -> None:
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "a.jpg").write_bytes(make_image())
+    (inbox / "b.png").write_bytes(make_image(fmt="PNG"))
+    (inbox / "broken.jpg").write_bytes(b"\xff\xd8\xff garbage")
+    (inbox / "notes.txt").write_text("ignored")
+    settings = make_settings(
+        folders=[FolderSource(name="inbox", path=inbox, poll_s=0.05, max_fps=100.0)]
+    )
+    with Agent(settings, engine=engine, publisher=MemoryPublisher()):  # type: ignore[arg-type]
+        assert until(lambda: (inbox / "done" / "b.png").exists(), timeout=10)
+        assert until(lambda: (inbox / "failed" / "broken.jpg").exists(), timeout=10)
+        assert until(lambda: (inbox / "done" / "a.jpg.json").exists(), timeout=10)
+    result = json.loads((inbox / "done" / "a.jpg.json").read_text())
+    assert result["label"].startswith("class-")
+    assert "JPEG or PNG" in json.loads((inbox / "failed" / "broken.jpg.json").read_text())["error"]
+    assert (inbox / "notes.txt").exists()
+
+
+@pytest.mark.parametrize("names", [["a", "a"]])
+def test_source_names_must_be_unique(
+    names: list[str], make_settings: Callable[..., AgentSettings], tmp_path: Path
+) -> None:
+    from shared.errors import ConfigError
+
+    with pytest.raises((ConfigError, ValueError)):
+        make_settings(cameras=[CameraSource(name=n, uri="0") for n in names])
+    assert threading.active_count() >= 1

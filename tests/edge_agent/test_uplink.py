@@ -1,0 +1,43 @@
+"""The MQTT link's backoff, and the agent's pump over an in-memory publisher."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from edge_agent.agent import Agent
+from edge_agent.settings import AgentSettings
+from edge_agent.testing import MemoryPublisher
+from edge_agent.uplink import Backoff
+
+
+def test_backoff_is_jittered_exponential_and_capped() -> None:
+    backoff = Backoff(0.5, 8.0, random.Random(1))
+    delays = [backoff.next_delay() for _ in range(12)]
+    assert all(0.25 <= d <= 8.0 for d in delays)
+    assert len(set(delays)) > 6  # jittered, not a fixed ladder
+    ceilings = [min(8.0, 0.5 * 2**i) for i in range(12)]
+    assert all(d <= c or d == 0.25 for d, c in zip(delays, ceilings, strict=True))
+    backoff.reset()
+    assert backoff.next_delay() <= 0.5
+
+
+def test_spool_drains_only_on_receipts(
+    make_settings: Callable[..., AgentSettings], engine: object, until: Callable[..., bool]
+) -> None:
+    import numpy as np
+
+    publisher = MemoryPublisher(connected=False)
+    settings = make_settings(route_max_prob_below=1.01)
+    with Agent(settings, engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
+        for seed in range(5):
+            frame = np.random.default_rng(seed).integers(0, 255, (40, 40, 3), dtype=np.uint8)
+            assert agent.process(frame, source="test").forwarded
+        assert agent.spool.depth == 5
+        assert publisher.sent() == []  # nothing goes out while disconnected
+        publisher.connect()
+        assert until(lambda: len(publisher.sent()) == 5)
+        assert agent.spool.depth == 5  # published is not delivered
+        publisher.auto_receipt = True
+        publisher.connect()  # a reconnect sends everything unreceipted again
+        assert until(lambda: agent.spool.depth == 0)
