@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 import pytest
-from conftest import SIZE, image_bytes, make_header
+from tests.cloud_service.conftest import SIZE, image_bytes, make_header
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

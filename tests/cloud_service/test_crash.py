@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import make_envelope, publisher
+from tests.cloud_service.conftest import make_envelope, publisher
 from sqlalchemy import create_engine, func, select, text
 
 from cloud_service.db.models import Sample, Verdict

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 
 import pytest
-from conftest import image_bytes, make_envelope, make_header, publisher
+from tests.cloud_service.conftest import image_bytes, make_envelope, make_header, publisher
 from sqlalchemy import func, select
 
 from cloud_service.db.models import Agent, DeadLetter, Sample, Verdict

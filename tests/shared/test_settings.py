@@ -75,6 +75,7 @@ def test_production_refuses_every_unsafe_default(monkeypatch: pytest.MonkeyPatch
     assert "without TLS" in text
     assert "SQLite" in text
     assert "session secret" in text
+    assert "admin token" in text.lower()
 
 
 def test_production_accepts_safe_settings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -82,6 +83,7 @@ def test_production_accepts_safe_settings(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("EDGELOOP_MQTT_URL", "mqtts://verifier:s3cret@broker.internal:8883")
     monkeypatch.setenv("EDGELOOP_DATABASE_URL", "postgresql+psycopg://edgeloop@db/edgeloop")
     monkeypatch.setenv("EDGELOOP_SESSION_SECRET", "a-real-secret-from-the-vault")
+    monkeypatch.setenv("EDGELOOP_ADMIN_TOKEN", "an-admin-token-from-the-vault")
     settings = CloudSettings.load()
     assert settings.mqtt.username == "verifier" and settings.mqtt.tls
     assert "s3cret" not in repr(settings.mqtt)
