@@ -20,7 +20,7 @@ from typing import Any
 
 from bench.common import machine_info
 
-SECTIONS = ["envelope", "models", "agent", "cloud"]
+SECTIONS = ["envelope", "models", "agent", "cloud", "delivery"]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

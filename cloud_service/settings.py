@@ -79,6 +79,20 @@ class CloudSettings(EdgeLoopSettings):
         default=65536, ge=0, description="bytes of a refused payload kept for inspection"
     )
 
+    # Model registry and rollouts.
+    model_retention_keep: int = Field(
+        default=10, ge=1, description="newest versions of a model whose artifacts are kept"
+    )
+    golden_atol: float = Field(
+        default=1e-3, gt=0, le=1, description="tolerance agents apply to the golden outputs"
+    )
+    rollout_tick_s: float = Field(
+        default=30.0, ge=0, description="how often the API evaluates running rollouts; 0: never"
+    )
+    announcer_client_id: str = Field(
+        default="edgeloop-announcer", description="MQTT client id prefix of the announcer"
+    )
+
     # Review rules.
     review_confidence_below: float = Field(default=0.5, ge=0.0, le=1.0)
     review_on_disagreement: bool = True

@@ -11,6 +11,7 @@ Entering starts the named background threads and stopping ends them in reverse:
 - ``heartbeat-loop``  publishes the retained AgentStatus every ``heartbeat_s``
 - ``mqtt-io``         (MqttLink) the one thread that touches paho
 - ``webhook-loop``    posts verdicts to the user's application, when configured
+- ``model-updater``   (ModelUpdater) verifies, downloads and swaps in announced models
 - one thread per camera and folder source
 
 Every I/O edge is a constructor argument (engine, publisher, clock), so tests swap
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -41,6 +43,7 @@ from edge_agent.routing import Decision, Router
 from edge_agent.settings import AgentSettings
 from edge_agent.spool import Spool
 from edge_agent.telemetry import Telemetry
+from edge_agent.updates import ModelUpdater, active_model_path
 from edge_agent.uplink import MqttLink, Publisher
 from shared.envelope import encode_envelope
 from shared.errors import EdgeLoopError, MessageError
@@ -82,7 +85,7 @@ class FrameResult:
         return asdict(self)
 
 
-def build_engine(settings: AgentSettings) -> OrtEngine:
+def build_engine(settings: AgentSettings, path: Path | None = None) -> OrtEngine:
     """The ORT student from settings (providers by preference, warm-up, TensorRT cache)."""
     options = EngineOptions(
         providers=tuple(settings.providers) if settings.providers else None,
@@ -93,7 +96,7 @@ def build_engine(settings: AgentSettings) -> OrtEngine:
         warmup_runs=settings.warmup_runs,
         warmup_batch=settings.max_batch,
     )
-    return OrtEngine(settings.resolved_model_path, options)
+    return OrtEngine(path or settings.resolved_model_path, options)
 
 
 def _status_payload(settings: AgentSettings, state: str, **fields: Any) -> bytes:
@@ -114,7 +117,12 @@ def build_publisher(settings: AgentSettings) -> MqttLink:
     return MqttLink(
         settings.mqtt,
         client_id=f"edgeloop-agent-{fleet}-{agent}",
-        subscriptions=[topics.receipts(fleet, agent), topics.verdicts(fleet, agent)],
+        subscriptions=[
+            topics.receipts(fleet, agent),
+            topics.verdicts(fleet, agent),
+            topics.fleet_models(fleet),
+            topics.agent_models(fleet, agent),
+        ],
         will=(topics.status(fleet, agent), _status_payload(settings, "offline")),
         protocol=None if settings.mqtt_protocol == "auto" else settings.mqtt_protocol,
         keepalive_s=settings.mqtt_keepalive_s,
@@ -136,6 +144,7 @@ class Agent:
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
         start_sources: bool = True,
+        model_transport: Any = None,
     ) -> None:
         self.settings = settings
         self._engine_arg = engine
@@ -143,6 +152,7 @@ class Agent:
         self.clock = clock
         self._rng = rng or random.Random()
         self.start_sources = start_sources
+        self._model_transport = model_transport  # httpx transport for downloads (tests)
         self.telemetry = Telemetry()
         topics = settings.topics
         fleet, agent_id = settings.fleet, settings.agent_id
@@ -167,7 +177,7 @@ class Agent:
 
     def start(self) -> Agent:
         s = self.settings
-        self.engine: Engine = self._engine_arg or build_engine(s)
+        self.engine: Engine = self._engine_arg or build_engine(s, active_model_path(s))
         self.spool = Spool(
             s.resolved_spool_path, max_bytes=s.spool_max_bytes, max_samples=s.spool_max_samples
         )
@@ -179,6 +189,14 @@ class Agent:
         ).start()
         self._post = ThreadPoolExecutor(max_workers=2, thread_name_prefix="agent-post")
         self.publisher: Publisher = self._publisher_arg or build_publisher(s)
+        self.updater = ModelUpdater(
+            s,
+            publish=lambda topic, payload: self.publisher.publish(topic, payload, qos=1),
+            current=lambda: self.engine,
+            swap=self.swap_engine,
+            engine_factory=lambda path: build_engine(s, path),
+            transport=self._model_transport,
+        ).start()
         self.publisher.set_handlers(on_message=self.handle_message, on_connect=self._on_connect)
         self.publisher.start()
         self._spawn("uplink-pump", self._pump_loop)
@@ -218,6 +236,7 @@ class Agent:
             source.stop()
         self._stopping.set()
         self._spooled.set()
+        self.updater.stop()
         self.batcher.stop()
         self._post.shutdown(wait=True)
         for thread in self._threads:
@@ -243,6 +262,11 @@ class Agent:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+    def swap_engine(self, engine: Engine) -> None:
+        """Serve from ``engine`` from the next batch on (the batch in flight ends on the old)."""
+        self.batcher.swap_engine(engine)
+        self.engine = engine
 
     # --- frames ------------------------------------------------------------------------
 
@@ -445,7 +469,9 @@ class Agent:
     def handle_message(self, topic: str, payload: bytes) -> None:
         """Receipts delete spooled samples; verdicts are matched to samples. Never raises."""
         try:
-            if topic == self.topic_receipts:
+            if self.updater.handles(topic):
+                self.updater.on_announcement(topic, payload)
+            elif topic == self.topic_receipts:
                 receipt = decode_message(payload, Receipt)
                 removed = self.spool.ack(receipt.sample_ids)
                 self.telemetry.receipted.inc(removed)
@@ -515,6 +541,7 @@ class Agent:
                 "labels": list(self.engine.labels),
                 "input_hw": list(self.engine.input_hw),
             },
+            "updates": self.updater.status(),
             "spool": asdict(spool),
             "spool_errors": self.spool_errors,
             "over_budget": self.router.over_budget,

@@ -119,6 +119,42 @@ def status(
         )
 
 
+@app.command("rollback")
+def rollback_command(
+    config: Path | None = ConfigOption,
+    as_json: bool = JsonOption,
+    timeout: float = typer.Option(30.0, help="Seconds to wait for the running agent."),
+) -> None:
+    """Serve the previous model version again (the running agent, else at its next start)."""
+    import httpx
+
+    from edge_agent.updates import offline_rollback
+
+    settings = load_settings(AgentSettings, config)
+    url = f"http://{settings.http_host}:{settings.http_port}/v1/model/rollback"
+    try:
+        response = httpx.post(url, timeout=timeout)
+    except httpx.TransportError:
+        try:
+            previous = offline_rollback(settings)
+        except EdgeLoopError as exc:
+            fail(exc.message)
+        data: dict[str, Any] = {
+            "running": False,
+            "result": "rolled-back",
+            "version": previous.version,
+            "note": "the agent is not running; it will start on this version",
+        }
+    else:
+        if response.status_code != 200:
+            fail(response.json().get("detail", response.text))
+        data = {"running": True, **response.json()}
+    if as_json:
+        print_json(data)
+    else:
+        typer.echo(f"rolled back to {data['version']}" + ("" if data["running"] else " (offline)"))
+
+
 @app.command("enroll")
 def enroll_command(
     cloud: str = typer.Option(..., "--cloud", help="The cloud service's base URL."),

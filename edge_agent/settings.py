@@ -87,6 +87,23 @@ class AgentSettings(EdgeLoopSettings):
     max_wait_ms: float = Field(default=5.0, ge=0)
     infer_timeout_s: float = Field(default=10.0, gt=0)
 
+    # Model updates (edge_agent/updates.py).
+    models_keep: int = Field(
+        default=3, ge=1, le=50, description="model versions kept on disk, the active one included"
+    )
+    max_announcement_bytes: int = Field(default=1 << 20, ge=1024)
+    max_model_opset: int | None = Field(
+        default=None, ge=1, description="highest opset accepted; default: what onnxruntime runs"
+    )
+    download_timeout_s: float = Field(default=60.0, gt=0)
+    download_attempts: int = Field(default=6, ge=1, le=100)
+    updater_nice: int = Field(
+        default=10, ge=0, le=19, description="nice value of the model-updater thread (Linux)"
+    )
+    update_retry_s: float = Field(
+        default=60.0, gt=0, description="wait before retrying an update that failed transiently"
+    )
+
     # Routing (strategies in route_order; None turns one off).
     route_max_prob_below: float | None = Field(default=0.6, ge=0, le=1.01)
     route_margin_below: float | None = Field(default=None, ge=0, le=1)

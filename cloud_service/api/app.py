@@ -11,7 +11,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from cloud_service.api.routes import enrollment, fleet, health, v2
+from cloud_service.announce import Announcer
+from cloud_service.api.routes import enrollment, fleet, health, models, v2
 from cloud_service.api.state import ApiState, load_signing_key
 from cloud_service.blobs import BlobStore, LocalBlobStore
 from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
@@ -76,6 +77,7 @@ def create_app(
     worker: VerifierWorker | None = None,
     metrics: CloudMetrics | None = None,
     blobs: BlobStore | None = None,
+    announcer: Announcer | None = None,
     migrate: bool = True,
     health_only: bool = False,
 ) -> FastAPI:
@@ -97,11 +99,21 @@ def create_app(
         metrics=metrics or (worker.metrics if worker else None) or CloudMetrics(),
         signing_key=load_signing_key(settings),
         worker=worker,
+        announcer=announcer,
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop = None
+        if not health_only and settings.rollout_tick_s > 0:
+            from cloud_service.rollout import RolloutLoop
+
+            loop = RolloutLoop(state, settings.rollout_tick_s).start()
         yield
+        if loop is not None:
+            loop.stop()
+        if state.announcer is not None:
+            state.announcer.close()
         engine.dispose()
 
     app = FastAPI(
@@ -115,7 +127,7 @@ def create_app(
     app.add_exception_handler(RequestValidationError, _validation_error)
     routers = [health.router] if health_only else [health.router, enrollment.router]
     if not health_only:
-        routers += [fleet.router, v2.router]
+        routers += [fleet.router, models.router, v2.router]
     for router in routers:
         app.include_router(router)
 

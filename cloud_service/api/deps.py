@@ -10,14 +10,18 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from cloud_service.announce import Announcer
 from cloud_service.api.state import ApiState
 from cloud_service.blobs import BlobStore
+from cloud_service.db import crud
 from cloud_service.errors import AuthError
 from cloud_service.metrics import CloudMetrics
 from cloud_service.settings import CloudSettings
 
 __all__ = [
     "AdminDep",
+    "AgentOrAdminDep",
+    "AnnouncerDep",
     "BlobsDep",
     "MetricsDep",
     "SessionDep",
@@ -65,8 +69,34 @@ def require_admin(
         raise AuthError("the bearer token is not the admin token")
 
 
+def require_agent_or_admin(
+    state: StateDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> str:
+    """An enrolled agent's API token or the admin token; returns the agent id or "admin"."""
+    if credentials is None:
+        raise AuthError(
+            "send 'Authorization: Bearer <token>': the agent's API token or the admin's"
+        )
+    token = credentials.credentials
+    expected = state.settings.admin_token.get_secret_value().encode()
+    if hmac.compare_digest(token.encode(), expected):
+        return "admin"
+    with state.sessions() as session:
+        agent = crud.agent_for_api_token(session=session, token=token)
+    if agent is None:
+        raise AuthError("the bearer token is neither an enrolled agent's API token nor the admin's")
+    return agent.agent_id
+
+
+def get_announcer(state: StateDep) -> Announcer:
+    return state.get_announcer()
+
+
 SettingsDep = Annotated[CloudSettings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 BlobsDep = Annotated[BlobStore, Depends(get_blobs)]
 MetricsDep = Annotated[CloudMetrics, Depends(get_metrics)]
 AdminDep = Annotated[None, Depends(require_admin)]
+AgentOrAdminDep = Annotated[str, Depends(require_agent_or_admin)]
+AnnouncerDep = Annotated[Announcer, Depends(get_announcer)]

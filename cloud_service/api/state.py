@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from cloud_service.announce import Announcer, MqttAnnouncer
 from cloud_service.blobs import BlobStore
 from cloud_service.metrics import CloudMetrics
 from cloud_service.settings import CloudSettings
@@ -47,9 +48,11 @@ class ApiState:
     metrics: CloudMetrics
     signing_key: FleetSigningKey
     worker: VerifierWorker | None = None
+    announcer: Announcer | None = None
     _teacher: TeacherModel | None = None
     _teacher_error: str | None = None
     _teacher_lock: threading.Lock = field(default_factory=threading.Lock)
+    _announcer_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def teacher(self) -> TeacherModel | None:
         """The teacher for the V2 endpoints: the worker's, else loaded once on first use."""
@@ -69,6 +72,15 @@ class ApiState:
                 except EdgeLoopError as exc:
                     self._teacher_error = exc.message
             return self._teacher
+
+    def get_announcer(self) -> Announcer:
+        """The announcer given at start, else an MQTT one connected on first use."""
+        with self._announcer_lock:
+            if self.announcer is None:
+                self.announcer = MqttAnnouncer(
+                    self.settings.mqtt, client_id=self.settings.announcer_client_id
+                )
+            return self.announcer
 
     @property
     def teacher_error(self) -> str | None:

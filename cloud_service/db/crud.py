@@ -23,6 +23,7 @@ from cloud_service.db.models import (
     DeadLetter,
     EnrollmentToken,
     Label,
+    ModelStatusEvent,
     Sample,
     Verdict,
 )
@@ -114,7 +115,19 @@ def record_model_status(*, session: Session, status: ModelStatus) -> None:
         agent = Agent(agent_id=status.agent, fleet=status.fleet, telemetry={}, state="unknown")
         session.add(agent)
     agent.model_status = status.model_dump(mode="json", exclude={"schema_name", "v"})
-    if status.state == "active":
+    # The history feeds rollout evaluation (refusals count as errors) and the registry API.
+    session.add(
+        ModelStatusEvent(
+            fleet=status.fleet,
+            agent_id=status.agent,
+            model_name=status.model_name,
+            model_version=status.model_version,
+            state=status.state,
+            reason=status.reason,
+            at=status.at,
+        )
+    )
+    if status.state in ("active", "rolled-back"):
         agent.model_version = status.model_version
 
 

@@ -30,10 +30,16 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 __all__ = [
     "SAMPLE_STATUSES",
     "Agent",
+    "AgentOverride",
     "Base",
     "DeadLetter",
     "EnrollmentToken",
+    "FleetModel",
     "Label",
+    "ModelStatusEvent",
+    "ModelVersion",
+    "Rollout",
+    "RolloutEvent",
     "Sample",
     "SampleStatus",
     "UtcDateTime",
@@ -191,3 +197,110 @@ class DeadLetter(Base):
     sample_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
     payload: Mapped[bytes] = mapped_column(LargeBinary)
     payload_size: Mapped[int] = mapped_column(Integer)
+
+
+# --- model registry and rollouts (migration 0002_model_registry) -------------------
+
+
+class ModelVersion(Base):
+    """One registered model version: immutable artifact, signed manifest, metrics, lineage."""
+
+    __tablename__ = "model_versions"
+    __table_args__ = (Index("ux_model_versions_name_version", "name", "version", unique=True),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(64))
+    version: Mapped[str] = mapped_column(String(64))
+    format: Mapped[str] = mapped_column(String(8))
+    sha256: Mapped[str] = mapped_column(String(64))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    artifact_key: Mapped[str] = mapped_column(String(512))
+    manifest: Mapped[dict[str, Any]] = mapped_column()
+    # The signed announcement exactly as published: re-encoding may not verify.
+    announcement: Mapped[bytes] = mapped_column(LargeBinary)
+    key_id: Mapped[str] = mapped_column(String(64))
+    metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    parent_version: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    source: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    # registered -> (serving) -> retired; "deleted" once retention removed the artifact.
+    state: Mapped[str] = mapped_column(String(16), default="registered")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class FleetModel(Base):
+    """What a fleet serves: the version on its retained announcement, and the ones before."""
+
+    __tablename__ = "fleet_models"
+
+    fleet: Mapped[str] = mapped_column(String(64), primary_key=True)
+    model_name: Mapped[str] = mapped_column(String(64))
+    version: Mapped[str] = mapped_column(String(64))
+    history: Mapped[list[Any]] = mapped_column(default=list)  # earlier versions, oldest first
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class AgentOverride(Base):
+    """A per-agent retained announcement: a canary cohort member or a pin."""
+
+    __tablename__ = "agent_overrides"
+
+    agent_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    fleet: Mapped[str] = mapped_column(String(64), index=True)
+    model_name: Mapped[str] = mapped_column(String(64))
+    version: Mapped[str] = mapped_column(String(64))
+    kind: Mapped[str] = mapped_column(String(16))  # "canary" or "pin"
+    rollout_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Rollout(Base):
+    """A canary rollout of one version to a cohort, watched over a window."""
+
+    __tablename__ = "rollouts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    fleet: Mapped[str] = mapped_column(String(64), index=True)
+    model_name: Mapped[str] = mapped_column(String(64))
+    version: Mapped[str] = mapped_column(String(64))
+    baseline_version: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    cohort: Mapped[list[Any]] = mapped_column(default=list)
+    percent: Mapped[float | None] = mapped_column(Float, nullable=True)
+    criteria: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    state: Mapped[str] = mapped_column(String(16), default="running")  # running/promoted/aborted
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    evaluation: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    window_ends_at: Mapped[datetime] = mapped_column()
+    finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+
+class RolloutEvent(Base):
+    """One step of a rollout's history (created, evaluated, promoted, aborted)."""
+
+    __tablename__ = "rollout_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    rollout_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("rollouts.id", ondelete="CASCADE"), index=True
+    )
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    kind: Mapped[str] = mapped_column(String(32))
+    detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class ModelStatusEvent(Base):
+    """Every model-status step an agent reported (the agents row keeps only the latest)."""
+
+    __tablename__ = "model_status_events"
+    __table_args__ = (Index("ix_model_status_events_agent_at", "agent_id", "at"),)
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    fleet: Mapped[str] = mapped_column(String(64))
+    agent_id: Mapped[str] = mapped_column(String(64))
+    model_name: Mapped[str] = mapped_column(String(128))
+    model_version: Mapped[str] = mapped_column(String(128))
+    state: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    at: Mapped[datetime] = mapped_column()

@@ -108,6 +108,18 @@ def create_app(agent: Agent) -> FastAPI:
     async def get_status() -> dict[str, Any]:
         return await run_in_threadpool(agent.status)
 
+    @app.get("/v1/model")
+    async def get_model() -> dict[str, Any]:
+        return agent.updater.status()
+
+    @app.post("/v1/model/rollback")
+    async def rollback_model() -> Response:
+        try:
+            result = await run_in_threadpool(agent.updater.rollback)
+        except EdgeLoopError as exc:
+            return JSONResponse({"detail": exc.message, "reason": exc.reason}, status_code=409)
+        return JSONResponse(result)
+
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}

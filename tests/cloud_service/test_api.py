@@ -8,7 +8,6 @@ from datetime import UTC, datetime
 
 import numpy as np
 import pytest
-from tests.cloud_service.conftest import SIZE, image_bytes, make_header
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +16,7 @@ from cloud_service.db import crud
 from cloud_service.ingest import IngestSample, sample_row
 from cloud_service.verifier import decode_image
 from shared.manifest import FleetSigningKey
+from tests.cloud_service.conftest import SIZE, image_bytes, make_header
 
 with warnings.catch_warnings():
     # Starlette 1.x warns that its TestClient wants the httpx2 package; the httpx

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.cloud_service.conftest import make_envelope, publisher
 from sqlalchemy import create_engine, func, select, text
 
 from cloud_service.db.models import Sample, Verdict
 from shared.broker import free_port
+from tests.cloud_service.conftest import make_envelope, publisher
 
 pytestmark = [pytest.mark.mqtt, pytest.mark.sql, pytest.mark.slow]
 

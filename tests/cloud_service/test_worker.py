@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 
 import pytest
-from tests.cloud_service.conftest import image_bytes, make_envelope, make_header, publisher
 from sqlalchemy import func, select
 
 from cloud_service.db.models import Agent, DeadLetter, Sample, Verdict
@@ -21,6 +20,7 @@ from cloud_service.worker import VerifierWorker
 from shared.messages import AgentStatus, Receipt, encode_message
 from shared.messages import Verdict as VerdictMessage
 from shared.topics import Topics
+from tests.cloud_service.conftest import image_bytes, make_envelope, make_header, publisher
 
 pytestmark = [pytest.mark.mqtt, pytest.mark.sql]
 

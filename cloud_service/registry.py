@@ -1,0 +1,476 @@
+"""The model registry: immutable signed versions, what each fleet serves, pins, retention.
+
+    version = register_model(session=s, blobs=b, key=k, artifact=Path("student.onnx"))
+    promote(session=s, announcer=a, topics=t, fleet="default", name=..., version=...)
+
+A version is registered once and never changes: its artifact sits in the blob store
+under a content-addressed key (``models/{name}/{sha256}.onnx``), and its manifest is
+signed with the fleet key at registration; the announcement bytes stored are the
+ones published, byte for byte (re-encoding a decoded announcement may not verify).
+
+Serving state: ``fleet_models`` says which version a fleet's retained announcement
+names (and the versions before it, for rollback); ``agent_overrides`` holds the
+per-agent retained announcements of canary cohorts and pins. Every change here is
+also published (retained, QoS 1) through the ``Announcer``; an override withdrawn is
+a zero-length retained message, and the agent falls back to the fleet announcement.
+
+Retention keeps the newest ``keep`` versions of a model plus every version a fleet
+serves, an agent is pinned to, or a running rollout uses; the others lose their
+artifact (state "deleted"; the row and its lineage stay).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from cloud_service.announce import Announcer
+from cloud_service.blobs import BlobStore
+from cloud_service.db.models import AgentOverride, FleetModel, ModelVersion, Rollout
+from cloud_service.errors import ConflictError, NotFoundError
+from shared.errors import ContractError, ManifestError, ModelError
+from shared.manifest import (
+    FleetSigningKey,
+    GoldenCase,
+    InputSpec,
+    ModelManifest,
+    sign_manifest,
+)
+from shared.messages import encode_message
+from shared.topics import Topics, validate_id
+
+__all__ = [
+    "apply_retention",
+    "artifact_path",
+    "build_manifest",
+    "get_version",
+    "inspect_onnx",
+    "list_versions",
+    "min_runtime_for_opset",
+    "pin",
+    "promote",
+    "register_model",
+    "rollback",
+    "serving",
+    "unpin",
+]
+
+log = logging.getLogger(__name__)
+
+# Lowest onnxruntime release that runs each ai.onnx opset (onnxruntime's compatibility
+# table); anything newer than the table needs the runtime this cloud runs.
+_OPSET_RUNTIME = {
+    13: "1.7",
+    14: "1.10",
+    15: "1.11",
+    16: "1.12",
+    17: "1.13",
+    18: "1.14",
+    19: "1.16",
+    20: "1.17",
+    21: "1.18",
+    22: "1.20",
+    23: "1.22",
+}
+# Golden inputs travel base64 inside the retained announcement: keep them under ~48 KB.
+_GOLDEN_BUDGET_BYTES = 36_000
+_MAX_GOLDEN = 3
+
+
+def min_runtime_for_opset(opset: int) -> str:
+    """The lowest onnxruntime version that runs ``opset``."""
+    if opset <= 13:
+        return _OPSET_RUNTIME[13]
+    if opset in _OPSET_RUNTIME:
+        return _OPSET_RUNTIME[opset]
+    import onnxruntime
+
+    return ".".join(onnxruntime.__version__.split(".")[:2])
+
+
+def inspect_onnx(data: bytes) -> dict[str, Any]:
+    """Name, version, input spec, output, labels and opset read from an ONNX model."""
+    import onnx
+
+    try:
+        model = onnx.load_model_from_string(data)
+    except Exception as exc:  # protobuf raises its own DecodeError
+        raise ManifestError(f"the artifact is not an ONNX model: {exc}") from exc
+    graph = model.graph
+    initializers = {i.name for i in graph.initializer}
+    inputs = [i for i in graph.input if i.name not in initializers]
+    if len(inputs) != 1 or len(graph.output) < 1:
+        raise ManifestError("a student needs exactly one input and a scores output")
+    tensor = inputs[0].type.tensor_type
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name
+    shape: list[int | str] = []
+    for dim in tensor.shape.dim:
+        if dim.HasField("dim_value"):
+            shape.append(int(dim.dim_value))
+        else:
+            shape.append(dim.dim_param or "batch")
+    out = graph.output[0]
+    out_dims = out.type.tensor_type.shape.dim
+    meta = {p.key: p.value for p in model.metadata_props}
+    labels: list[str]
+    if "edgeloop.labels" in meta:
+        labels = [str(x) for x in json.loads(meta["edgeloop.labels"])]
+    elif len(out_dims) == 2 and out_dims[1].HasField("dim_value"):
+        labels = [str(i) for i in range(out_dims[1].dim_value)]
+    else:
+        raise ManifestError("the model names no labels (edgeloop.labels) and has no fixed classes")
+    opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+    if opset < 1:
+        raise ManifestError("the model imports no ai.onnx opset")
+    if dtype not in ("uint8", "int8", "float16", "float32"):
+        raise ManifestError(f"input dtype {dtype} is not one a student takes")
+    return {
+        "name": meta.get("edgeloop.name"),
+        "version": meta.get("edgeloop.version"),
+        "input": InputSpec(name=inputs[0].name, shape=shape, dtype=dtype, layout="NHWC"),
+        "output_name": out.name,
+        "labels": labels,
+        "opset": int(opset),
+    }
+
+
+def _golden(data: bytes, spec: InputSpec, output_name: str, atol: float) -> list[GoldenCase]:
+    """Deterministic frames and the scores this model gives them (ONNX Runtime, CPU)."""
+    import onnxruntime as ort
+
+    dims = [d if isinstance(d, int) else 1 for d in spec.shape]
+    frame_bytes = int(np.prod(dims[1:]))
+    count = max(1, min(_MAX_GOLDEN, _GOLDEN_BUDGET_BYTES // max(1, frame_bytes)))
+    rng = np.random.default_rng(20261201)
+    frames = rng.integers(0, 256, size=(count, *dims[1:]), dtype=np.uint8)
+    try:
+        session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+        scores = session.run([output_name], {spec.name: frames.astype(spec.dtype)})[0]
+    except Exception as exc:  # ORT's untyped errors, wrapped once
+        raise ModelError(f"the model does not run on its golden inputs: {exc}") from exc
+    import base64
+
+    return [
+        GoldenCase(
+            input=base64.b64encode(frames.tobytes()).decode("ascii"),
+            shape=[count, *dims[1:]],
+            expected=[[float(x) for x in row] for row in np.asarray(scores, dtype=np.float32)],
+            atol=atol,
+        )
+    ]
+
+
+def artifact_key(name: str, sha256: str) -> str:
+    return f"models/{name}/{sha256}.onnx"
+
+
+def artifact_path(blobs: BlobStore, key: str) -> Path | None:
+    """The artifact's file when the store is a local folder (served with Range from disk)."""
+    root = getattr(blobs, "root", None)
+    return Path(root) / key if root is not None else None
+
+
+def build_manifest(
+    data: bytes,
+    *,
+    name: str | None = None,
+    version: str | None = None,
+    format: str = "fp32",
+    metrics: dict[str, float] | None = None,
+    parent_version: str | None = None,
+    atol: float = 1e-3,
+    url: str | None = None,
+    now: datetime | None = None,
+) -> ModelManifest:
+    """The manifest of an ONNX student: hash, size, input spec, labels, opset, golden cases."""
+    import hashlib
+
+    info = inspect_onnx(data)
+    name = validate_id(name or info["name"] or "", "model")
+    version = version or info["version"]
+    if not version:
+        raise ContractError("no version given and the model has no edgeloop.version metadata")
+    try:
+        return ModelManifest(
+            name=name,
+            version=version,
+            format=format,
+            sha256=hashlib.sha256(data).hexdigest(),
+            size_bytes=len(data),
+            url=url or f"/v1/models/{name}/{version}/artifact",
+            input=info["input"],
+            output_name=info["output_name"],
+            labels=info["labels"],
+            opset=info["opset"],
+            min_runtime_version=min_runtime_for_opset(info["opset"]),
+            golden=_golden(data, info["input"], info["output_name"], atol),
+            created_at=now or datetime.now(UTC),
+            parent_version=parent_version,
+            metrics=metrics or {},
+        )
+    except ValueError as exc:  # pydantic: a manifest field out of its range
+        raise ManifestError(f"cannot describe model {name} {version}: {exc}") from exc
+
+
+def register_model(
+    *,
+    session: Session,
+    blobs: BlobStore,
+    key: FleetSigningKey,
+    artifact: bytes | Path,
+    name: str | None = None,
+    version: str | None = None,
+    format: str = "fp32",
+    metrics: dict[str, float] | None = None,
+    parent_version: str | None = None,
+    source: str | None = None,
+    atol: float = 1e-3,
+    now: datetime | None = None,
+) -> ModelVersion:
+    """Store, describe and sign a new immutable version; raises ConflictError if it exists."""
+    data = artifact.read_bytes() if isinstance(artifact, Path) else bytes(artifact)
+    manifest = build_manifest(
+        data,
+        name=name,
+        version=version,
+        format=format,
+        metrics=metrics,
+        parent_version=parent_version,
+        atol=atol,
+        now=now,
+    )
+    name, version, sha = manifest.name, manifest.version, manifest.sha256
+    existing = session.scalars(
+        select(ModelVersion).where(ModelVersion.name == name, ModelVersion.version == version)
+    ).first()
+    if existing is not None:
+        raise ConflictError(f"model {name} {version} is already registered; versions are immutable")
+    announcement = sign_manifest(manifest, key)
+    raw = encode_message(announcement)
+    blob_key = artifact_key(name, sha)
+    blobs.put(blob_key, data)
+    record = ModelVersion(
+        name=name,
+        version=version,
+        format=format,
+        sha256=sha,
+        size_bytes=len(data),
+        artifact_key=blob_key,
+        manifest=manifest.model_dump(mode="json", by_alias=True, exclude_none=True),
+        announcement=raw,
+        key_id=key.key_id,
+        metrics=dict(metrics or {}),
+        parent_version=parent_version,
+        source=source,
+        state="registered",
+    )
+    session.add(record)
+    session.flush()
+    log.info("registered model %s %s (%d bytes, sha256 %s)", name, version, len(data), sha[:12])
+    return record
+
+
+def list_versions(*, session: Session, name: str | None = None) -> list[ModelVersion]:
+    stmt = select(ModelVersion).order_by(ModelVersion.name, ModelVersion.id.desc())
+    if name is not None:
+        stmt = stmt.where(ModelVersion.name == name)
+    return list(session.scalars(stmt).all())
+
+
+def get_version(*, session: Session, name: str, version: str) -> ModelVersion:
+    record = session.scalars(
+        select(ModelVersion).where(ModelVersion.name == name, ModelVersion.version == version)
+    ).first()
+    if record is None:
+        raise NotFoundError(f"model {name} {version} is not registered")
+    return record
+
+
+def _servable(record: ModelVersion) -> None:
+    if record.state == "deleted":
+        raise ConflictError(
+            f"model {record.name} {record.version} was removed by retention; register it again"
+        )
+
+
+def serving(*, session: Session, fleet: str) -> FleetModel | None:
+    return session.get(FleetModel, fleet)
+
+
+def clear_overrides(
+    *,
+    session: Session,
+    announcer: Announcer,
+    topics: Topics,
+    fleet: str,
+    agents: Sequence[str] | None = None,
+    kind: str | None = None,
+) -> list[str]:
+    """Withdraw per-agent announcements (all of the fleet's, or these agents'); return ids."""
+    stmt = select(AgentOverride).where(AgentOverride.fleet == fleet)
+    if agents is not None:
+        stmt = stmt.where(AgentOverride.agent_id.in_(list(agents)))
+    if kind is not None:
+        stmt = stmt.where(AgentOverride.kind == kind)
+    cleared = [o.agent_id for o in session.scalars(stmt).all()]
+    if cleared:
+        session.execute(delete(AgentOverride).where(AgentOverride.agent_id.in_(cleared)))
+    for agent in cleared:
+        announcer.announce(topics.agent_models(fleet, agent), b"")
+    return cleared
+
+
+def set_overrides(
+    *,
+    session: Session,
+    announcer: Announcer,
+    topics: Topics,
+    fleet: str,
+    record: ModelVersion,
+    agents: Sequence[str],
+    kind: str,
+    rollout_id: int | None = None,
+) -> None:
+    """Point these agents at ``record`` with a per-agent retained announcement."""
+    _servable(record)
+    for agent in agents:
+        validate_id(agent, "agent")
+        override = session.get(AgentOverride, agent)
+        if override is None:
+            override = AgentOverride(agent_id=agent, fleet=fleet, model_name=record.name)
+            session.add(override)
+        override.fleet = fleet
+        override.model_name = record.name
+        override.version = record.version
+        override.kind = kind
+        override.rollout_id = rollout_id
+        override.created_at = datetime.now(UTC)
+        session.flush()
+        announcer.announce(topics.agent_models(fleet, agent), record.announcement)
+
+
+def promote(
+    *,
+    session: Session,
+    announcer: Announcer,
+    topics: Topics,
+    fleet: str,
+    name: str,
+    version: str,
+    clear_canaries: bool = True,
+) -> FleetModel:
+    """Make ``version`` the fleet's retained announcement; canary overrides are withdrawn."""
+    validate_id(fleet, "fleet")
+    record = get_version(session=session, name=name, version=version)
+    _servable(record)
+    current = session.get(FleetModel, fleet)
+    if current is None:
+        current = FleetModel(fleet=fleet, model_name=name, version=version, history=[])
+        session.add(current)
+    elif current.version != version or current.model_name != name:
+        current.history = [*current.history, current.version][-20:]
+        current.model_name, current.version = name, version
+    current.updated_at = datetime.now(UTC)
+    record.state = "serving"
+    session.flush()
+    announcer.announce(topics.fleet_models(fleet), record.announcement)
+    if clear_canaries:
+        clear_overrides(
+            session=session, announcer=announcer, topics=topics, fleet=fleet, kind="canary"
+        )
+    return current
+
+
+def rollback(
+    *, session: Session, announcer: Announcer, topics: Topics, fleet: str, name: str
+) -> FleetModel:
+    """Announce the version the fleet served before the current one."""
+    current = session.get(FleetModel, fleet)
+    if current is None or current.model_name != name or not current.history:
+        raise ConflictError(f"fleet {fleet} has no earlier version of {name} to roll back to")
+    previous = current.history[-1]
+    record = get_version(session=session, name=name, version=previous)
+    _servable(record)
+    current.history = current.history[:-1]
+    current.version = previous
+    current.updated_at = datetime.now(UTC)
+    session.flush()
+    announcer.announce(topics.fleet_models(fleet), record.announcement)
+    return current
+
+
+def pin(
+    *,
+    session: Session,
+    announcer: Announcer,
+    topics: Topics,
+    fleet: str,
+    name: str,
+    version: str,
+    agents: Sequence[str],
+) -> None:
+    """Hold these agents on ``version`` whatever the fleet is announced."""
+    if not agents:
+        raise ContractError("name at least one agent to pin")
+    record = get_version(session=session, name=name, version=version)
+    set_overrides(
+        session=session,
+        announcer=announcer,
+        topics=topics,
+        fleet=fleet,
+        record=record,
+        agents=agents,
+        kind="pin",
+    )
+
+
+def unpin(
+    *, session: Session, announcer: Announcer, topics: Topics, fleet: str, agents: Sequence[str]
+) -> list[str]:
+    return clear_overrides(
+        session=session, announcer=announcer, topics=topics, fleet=fleet, agents=agents, kind="pin"
+    )
+
+
+def apply_retention(*, session: Session, blobs: BlobStore, name: str, keep: int) -> list[str]:
+    """Delete the artifacts of old versions no one uses; return the versions removed."""
+    used: set[str] = set()
+    for fleet_model in session.scalars(select(FleetModel).where(FleetModel.model_name == name)):
+        used.add(fleet_model.version)
+        used.update(fleet_model.history[-1:])  # keep what a rollback would need
+    used.update(
+        session.scalars(select(AgentOverride.version).where(AgentOverride.model_name == name))
+    )
+    for rollout in session.scalars(
+        select(Rollout).where(Rollout.model_name == name, Rollout.state == "running")
+    ):
+        used.add(rollout.version)
+        if rollout.baseline_version:
+            used.add(rollout.baseline_version)
+    live = [v for v in list_versions(session=session, name=name) if v.state != "deleted"]
+    removed: list[str] = []
+    for index, record in enumerate(live):  # newest first
+        if index < keep or record.version in used:
+            continue
+        shared_blob = any(
+            other.artifact_key == record.artifact_key for other in live if other is not record
+        ) and any(
+            o.artifact_key == record.artifact_key and (i < keep or o.version in used)
+            for i, o in enumerate(live)
+            if o is not record
+        )
+        if not shared_blob:
+            blobs.delete(record.artifact_key)
+        record.state = "deleted"
+        removed.append(record.version)
+    if removed:
+        log.info("retention removed %s %s", name, removed)
+    return removed

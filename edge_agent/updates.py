@@ -1,0 +1,666 @@
+"""Model updates on the agent: verify, download, check, load in the background, swap.
+
+    updater = ModelUpdater(settings, publish=link.publish, current=lambda: agent.engine,
+                           swap=agent.swap_engine, engine_factory=build)
+    updater.start(); updater.on_announcement(topic, payload)  # from the MQTT link
+
+The agent follows one retained announcement: its own (``{fleet}/{agent}/models``,
+canaries and pins) when there is one, else the fleet's (``{fleet}/models``); an
+empty retained message on its own topic withdraws the override. Announcements are
+handled on the ``model-updater`` thread, so the MQTT thread never waits on a
+download, and inference never waits on a model load.
+
+An update is installed only when every check passes, in this order: the signature
+over the manifest as received (the fleet key the agent was enrolled with), the
+compatibility of the manifest (opset, runtime version, input spec), the artifact's
+size and sha256 (download resumed with HTTP Range after a break), the model loading
+in ONNX Runtime with the same input size as the serving one, and the golden inputs
+reproducing their outputs within the manifest's tolerance. Then the batcher swaps
+engines between two batches. Each step is published on ``model-status``
+(downloaded, verified, active, rejected with ``"<reason>: <detail>"``, rolled-back);
+a refusal leaves the serving engine as it was.
+
+On disk (``{data_dir}/models``): ``versions/{name}-{version}.onnx`` (the active one
+and the previous ``models_keep - 1``), ``partial/{sha256}.part`` (downloads in
+progress) and ``state.json`` (active version and history), so a restart serves
+the version that was active and ``rollback`` has the previous one at hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+import numpy as np
+
+from edge_agent.settings import AgentSettings
+from shared.errors import EdgeLoopError, MessageError, ModelError, SignatureError
+from shared.manifest import ModelManifest, verify_manifest_bytes
+from shared.messages import ModelAnnouncement, ModelStatus, decode_message, encode_message
+
+__all__ = [
+    "InstalledModel",
+    "ModelState",
+    "ModelUpdater",
+    "UpdateRefused",
+    "active_model_path",
+    "max_supported_opset",
+    "offline_rollback",
+]
+
+log = logging.getLogger(__name__)
+
+# Highest ai.onnx opset each onnxruntime release runs (its compatibility table);
+# releases newer than the table run at least the last entry.
+_RUNTIME_OPSET = [
+    ((1, 13), 17),
+    ((1, 14), 18),
+    ((1, 16), 19),
+    ((1, 17), 20),
+    ((1, 18), 21),
+    ((1, 20), 22),
+    ((1, 22), 23),
+]
+_CHUNK = 1 << 16
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+        if not piece.isdigit():
+            break
+    return tuple(parts)
+
+
+def runtime_version() -> str:
+    import onnxruntime
+
+    return str(onnxruntime.__version__)
+
+
+def max_supported_opset(version: str | None = None) -> int:
+    """The highest ai.onnx opset the installed (or given) onnxruntime runs."""
+    have = _version_tuple(version or runtime_version())[:2]
+    supported = 0
+    for release, opset in _RUNTIME_OPSET:
+        if have >= release:
+            supported = opset
+    return supported
+
+
+class UpdateRefused(EdgeLoopError):
+    """An update failed a check; ``reason`` is the slug published on model-status."""
+
+    def __init__(self, reason: str, message: str, *, transient: bool = False) -> None:
+        super().__init__(message, reason=reason)
+        self.transient = transient
+
+
+class Engine(Protocol):
+    name: str
+    version: str
+    input_hw: tuple[int, int]
+
+    def run(self, frames: np.ndarray) -> np.ndarray: ...
+
+
+@dataclass
+class InstalledModel:
+    name: str
+    version: str
+    path: str
+    sha256: str | None = None
+
+
+@dataclass
+class ModelState:
+    """What ``state.json`` holds: the active model, earlier ones (oldest first), declined."""
+
+    active: InstalledModel | None = None
+    history: list[InstalledModel] = field(default_factory=list)
+    declined: list[list[str]] = field(default_factory=list)  # [name, version] rolled back from
+
+    @classmethod
+    def load(cls, path: Path) -> ModelState:
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return cls()
+        except (OSError, ValueError) as exc:
+            log.error(
+                "model state %s unreadable (%s); starting from the configured model", path, exc
+            )
+            return cls()
+        active = data.get("active")
+        return cls(
+            active=InstalledModel(**active) if active else None,
+            history=[InstalledModel(**h) for h in data.get("history", [])],
+            declined=[list(d) for d in data.get("declined", [])],
+        )
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        data = {
+            "active": asdict(self.active) if self.active else None,
+            "history": [asdict(h) for h in self.history],
+            "declined": self.declined[-20:],
+        }
+        with tmp.open("w") as handle:
+            json.dump(data, handle, indent=2)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+
+
+def _models_dir(settings: AgentSettings) -> Path:
+    return settings.data_dir / "models"
+
+
+def _state_path(settings: AgentSettings) -> Path:
+    return _models_dir(settings) / "state.json"
+
+
+def active_model_path(settings: AgentSettings) -> Path:
+    """The model to load at start: the last one activated by an update, else the configured."""
+    state = ModelState.load(_state_path(settings))
+    if state.active is not None and Path(state.active.path).is_file():
+        return Path(state.active.path)
+    return settings.resolved_model_path
+
+
+def offline_rollback(settings: AgentSettings) -> InstalledModel:
+    """Point ``state.json`` at the previous version (for an agent that is not running)."""
+    path = _state_path(settings)
+    state = ModelState.load(path)
+    if state.active is None or not state.history:
+        raise ModelError("no earlier model version is kept on this agent")
+    previous = state.history[-1]
+    if not Path(previous.path).is_file():
+        raise ModelError(f"the previous version's file {previous.path} is gone")
+    state.declined.append([state.active.name, state.active.version])
+    state.history, state.active = state.history[:-1], previous
+    state.save(path)
+    return previous
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+class ModelUpdater:
+    """Follows the retained announcements and installs what they name (see module doc)."""
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        *,
+        publish: Callable[[str, bytes], None],
+        current: Callable[[], Engine],
+        swap: Callable[[Any], None],
+        engine_factory: Callable[[Path], Any],
+        transport: httpx.BaseTransport | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self._publish = publish
+        self._current = current
+        self._swap = swap
+        self._engine_factory = engine_factory
+        self._transport = transport
+        self._clock = clock
+        topics = settings.topics
+        self.topic_fleet = topics.fleet_models(settings.fleet)
+        self.topic_agent = topics.agent_models(settings.fleet, settings.agent_id)
+        self.topic_status = topics.model_status(settings.fleet, settings.agent_id)
+        self.root = _models_dir(settings)
+        self.versions_dir = self.root / "versions"
+        self.partial_dir = self.root / "partial"
+        self.state_path = _state_path(settings)
+        self.state = ModelState.load(self.state_path)
+        self._fleet_raw: bytes | None = None
+        self._agent_raw: bytes | None = None
+        self._handled: bytes | None = None  # the announcement last acted on
+        self._retry_at: float | None = None
+        self._refused: set[tuple[str, str, str]] = set()  # (name, version, sha256), for good
+        self._lock = threading.Lock()  # announcements in, state
+        self._install_lock = threading.Lock()  # one install or rollback at a time
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_result: dict[str, Any] | None = None
+        self.installs = 0
+        self.refusals = 0
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> ModelUpdater:
+        engine = self._current()
+        if self.state.active is None:
+            # The configured model counts as the first installed one, so a rollback
+            # after the first update has somewhere to go.
+            self.state.active = InstalledModel(
+                name=engine.name,
+                version=engine.version,
+                path=str(getattr(engine, "path", self.settings.resolved_model_path)),
+            )
+        elif (engine.name, engine.version) != (self.state.active.name, self.state.active.version):
+            log.warning(
+                "serving %s %s, but state.json names %s %s; following the engine",
+                engine.name,
+                engine.version,
+                self.state.active.name,
+                self.state.active.version,
+            )
+            self.state.active = InstalledModel(
+                name=engine.name,
+                version=engine.version,
+                path=str(getattr(engine, "path", self.settings.resolved_model_path)),
+            )
+        self._thread = threading.Thread(target=self._run, name="model-updater", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # --- announcements in (MQTT thread: never blocks) --------------------------------
+
+    def handles(self, topic: str) -> bool:
+        return topic in (self.topic_fleet, self.topic_agent)
+
+    def on_announcement(self, topic: str, payload: bytes) -> None:
+        with self._lock:
+            if topic == self.topic_agent:
+                self._agent_raw = bytes(payload) or None  # empty: override withdrawn
+            elif topic == self.topic_fleet:
+                self._fleet_raw = bytes(payload) or None
+            else:
+                return
+        self._wake.set()
+
+    def wanted(self) -> bytes | None:
+        with self._lock:
+            return self._agent_raw if self._agent_raw is not None else self._fleet_raw
+
+    # --- the updater thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        # Linux nice values are per thread: downloads, hashing, session builds and golden
+        # runs here yield the cores to inference, which must not slow down during a swap.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.settings.updater_nice)
+        while not self._stopping.is_set():
+            self._wake.wait(0.5)
+            self._wake.clear()
+            raw = self.wanted()
+            if raw is None:
+                continue
+            waiting = self._retry_at is None or self._clock() < self._retry_at
+            if raw == self._handled and waiting:
+                continue  # acted on already; a transient failure retries after update_retry_s
+            self._retry_at = None
+            self._handled = raw
+            try:
+                self.apply(raw)
+            except Exception:  # the updater must survive anything a model throws at it
+                log.exception("model update failed unexpectedly")
+
+    def apply(self, raw: bytes) -> dict[str, Any]:
+        """Act on one announcement (blocking); returns what happened."""
+        with self._install_lock:
+            result = self._apply(raw)
+        self.last_result = result
+        return result
+
+    def _apply(self, raw: bytes) -> dict[str, Any]:
+        name, version = _names(raw)
+        sha: str | None = None
+        try:
+            manifest = self._verify(raw)
+            name, version, sha = manifest.name, manifest.version, manifest.sha256
+            active = self.state.active
+            if active is not None and (active.name, active.version) == (name, version):
+                return {"result": "current", "version": version}
+            if [name, version] in self.state.declined:
+                log.info("%s %s was rolled back here; not installing it again", name, version)
+                return {"result": "declined", "version": version}
+            if (name, version, manifest.sha256) in self._refused:
+                return {"result": "refused-before", "version": version}
+            self._check_compatible(manifest)
+            path = self._fetch(manifest)
+            self._status(name, version, "downloaded")
+            engine = self._load_and_check(manifest, path)
+            self._status(name, version, "verified")
+            self._activate(manifest, path, engine)
+            self._status(name, version, "active")
+            self.installs += 1
+            return {"result": "active", "version": version}
+        except UpdateRefused as exc:
+            self.refusals += 1
+            if exc.transient:
+                self._retry_at = self._clock() + self.settings.update_retry_s
+                self._wake.set()
+            elif sha is not None:
+                # Only signed announcements are remembered as refused: a forged one
+                # with the same name must not block the genuine announcement.
+                self._refused.add((name, version, sha))
+            detail = f"{exc.reason}: {exc.message}"
+            log.warning("refused model %s %s: %s", name, version, detail)
+            self._status(name or "unknown", version or "unknown", "rejected", detail)
+            return {
+                "result": "rejected",
+                "version": version,
+                "reason": exc.reason,
+                "detail": detail,
+            }
+
+    # --- the checks ----------------------------------------------------------------------
+
+    def _verify(self, raw: bytes) -> ModelManifest:
+        key = self.settings.fleet_public_key
+        if not key:
+            raise UpdateRefused("no_fleet_key", "this agent has no fleet public key (enroll it)")
+        try:
+            return verify_manifest_bytes(raw, key, max_bytes=self.settings.max_announcement_bytes)
+        except SignatureError as exc:
+            raise UpdateRefused("bad_signature", exc.message) from exc
+        except MessageError as exc:
+            raise UpdateRefused("malformed", exc.message) from exc
+        except EdgeLoopError as exc:  # a malformed fleet key is our configuration
+            raise UpdateRefused("no_fleet_key", exc.message) from exc
+
+    def _check_compatible(self, manifest: ModelManifest) -> None:
+        limit = self.settings.max_model_opset or max_supported_opset()
+        if manifest.opset > limit:
+            raise UpdateRefused(
+                "incompatible_opset",
+                f"model needs opset {manifest.opset}; onnxruntime {runtime_version()} here"
+                f" runs up to {limit}",
+            )
+        if _version_tuple(runtime_version()) < _version_tuple(manifest.min_runtime_version):
+            raise UpdateRefused(
+                "incompatible_runtime",
+                f"model needs onnxruntime {manifest.min_runtime_version} or newer;"
+                f" this agent has {runtime_version()}",
+            )
+        spec = manifest.input
+        hw = self._current().input_hw
+        expected = ["batch", hw[0], hw[1], 3]
+        shape_ok = len(spec.shape) == 4 and spec.shape[1:] == [hw[0], hw[1], 3]
+        if spec.dtype != "uint8" or spec.layout != "NHWC" or not shape_ok:
+            raise UpdateRefused(
+                "incompatible_input",
+                f"model takes {spec.dtype} {spec.layout} {spec.shape}; this agent feeds"
+                f" uint8 NHWC {expected}",
+            )
+        if spec.name != "frames" or manifest.output_name != "scores":
+            raise UpdateRefused(
+                "incompatible_input",
+                f"model's tensors are {spec.name!r} -> {manifest.output_name!r};"
+                " the student contract is 'frames' -> 'scores'",
+            )
+
+    def _artifact_url(self, manifest: ModelManifest) -> str:
+        if manifest.url.startswith(("http://", "https://")):
+            return manifest.url
+        if not self.settings.cloud_url:
+            raise UpdateRefused(
+                "no_cloud_url", "the announcement's URL is relative and cloud_url is unset"
+            )
+        return self.settings.cloud_url.rstrip("/") + manifest.url
+
+    def _fetch(self, manifest: ModelManifest) -> Path:
+        """The verified artifact on disk: kept from before, or downloaded (resumed) now."""
+        target = self.versions_dir / f"{manifest.name}-{manifest.version}.onnx"
+        if target.is_file() and _sha256(target) == manifest.sha256:
+            return target
+        part = self.partial_dir / f"{manifest.sha256}.part"
+        try:
+            self.partial_dir.mkdir(parents=True, exist_ok=True)
+            self._download(manifest, part)
+            size = part.stat().st_size
+            if size != manifest.size_bytes:
+                part.unlink(missing_ok=True)
+                raise UpdateRefused(
+                    "size_mismatch",
+                    f"artifact has {size} bytes, the manifest says {manifest.size_bytes}",
+                )
+            digest = _sha256(part)
+            if digest != manifest.sha256:
+                part.unlink(missing_ok=True)
+                raise UpdateRefused(
+                    "hash_mismatch",
+                    f"artifact sha256 is {digest[:16]}..., the manifest"
+                    f" says {manifest.sha256[:16]}...",
+                )
+            self.versions_dir.mkdir(parents=True, exist_ok=True)
+            os.replace(part, target)
+        except OSError as exc:
+            part.unlink(missing_ok=True)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise UpdateRefused(
+                    "disk_full",
+                    f"no space left under {self.root} for {manifest.size_bytes} bytes",
+                    transient=True,
+                ) from exc
+            raise UpdateRefused(
+                "io_error", f"cannot store the artifact: {exc}", transient=True
+            ) from exc
+        return target
+
+    def _write(self, handle: Any, chunk: bytes) -> None:
+        handle.write(chunk)  # a seam: tests make it fail with ENOSPC
+
+    def _download(self, manifest: ModelManifest, part: Path) -> None:
+        url = self._artifact_url(manifest)
+        token = self.settings.api_token.get_secret_value() if self.settings.api_token else None
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        size = manifest.size_bytes
+        stalled = 0
+        with httpx.Client(
+            transport=self._transport, timeout=self.settings.download_timeout_s
+        ) as client:
+            for _attempt in range(self.settings.download_attempts):
+                have = part.stat().st_size if part.exists() else 0
+                if have > size:
+                    part.unlink()
+                    have = 0
+                if have == size:
+                    return
+                request_headers = dict(headers)
+                if have:
+                    request_headers["Range"] = f"bytes={have}-"
+                try:
+                    with client.stream("GET", url, headers=request_headers) as response:
+                        if response.status_code == 416:
+                            raise UpdateRefused(
+                                "truncated",
+                                f"the artifact ends at {have} of {size} bytes on the server",
+                            )
+                        if response.status_code in (401, 403):
+                            raise UpdateRefused(
+                                "unauthorized",
+                                f"the cloud refused this agent's token ({response.status_code})",
+                                transient=True,
+                            )
+                        if response.status_code not in (200, 206):
+                            raise UpdateRefused(
+                                "download_failed",
+                                f"GET {url} answered {response.status_code}",
+                                transient=True,
+                            )
+                        mode = "ab" if response.status_code == 206 and have else "wb"
+                        written = have if mode == "ab" else 0
+                        with part.open(mode) as handle:
+                            for chunk in response.iter_bytes(_CHUNK):
+                                written += len(chunk)
+                                if written > size:
+                                    raise UpdateRefused(
+                                        "size_mismatch",
+                                        f"the server sent more than the {size} bytes announced",
+                                    )
+                                self._write(handle, chunk)
+                            handle.flush()
+                            os.fsync(handle.fileno())
+                except UpdateRefused as exc:
+                    if not exc.transient:
+                        part.unlink(missing_ok=True)
+                    raise
+                except httpx.HTTPError as exc:
+                    log.info("download of %s broke (%s); resuming", url, exc)
+                now = part.stat().st_size if part.exists() else 0
+                if now == size:
+                    return
+                stalled = stalled + 1 if now <= have else 0
+                if stalled >= 2:
+                    break
+                self._stopping.wait(min(2.0, 0.1 * 2**_attempt))
+        have = part.stat().st_size if part.exists() else 0
+        raise UpdateRefused(
+            "truncated", f"download stopped at {have} of {size} bytes", transient=have < size
+        )
+
+    def _load_and_check(self, manifest: ModelManifest, path: Path) -> Any:
+        try:
+            engine = self._engine_factory(path)
+        except EdgeLoopError as exc:
+            raise UpdateRefused("load_failed", exc.message) from exc
+        current = self._current()
+        if tuple(engine.input_hw) != tuple(current.input_hw):
+            raise UpdateRefused(
+                "incompatible_input",
+                f"model takes {engine.input_hw} frames; the serving one {current.input_hw}",
+            )
+        for index, case in enumerate(manifest.golden):
+            frames = np.frombuffer(case.input_bytes(), dtype=np.uint8).reshape(case.shape)
+            try:
+                scores = np.asarray(engine.run(frames), dtype=np.float64)
+            except EdgeLoopError as exc:
+                raise UpdateRefused("golden_failed", f"golden[{index}] did not run: {exc}") from exc
+            expected = np.asarray(case.expected, dtype=np.float64)
+            if scores.shape != expected.shape:
+                raise UpdateRefused(
+                    "golden_mismatch",
+                    f"golden[{index}] gave shape {list(scores.shape)},"
+                    f" expected {list(expected.shape)}",
+                )
+            worst = float(np.max(np.abs(scores - expected)))
+            if not worst <= case.atol:
+                raise UpdateRefused(
+                    "golden_mismatch",
+                    f"golden[{index}] differs by {worst:.3g}, more than atol {case.atol:g}",
+                )
+        return engine
+
+    # --- activation, rollback, retention ------------------------------------------------
+
+    def _activate(self, manifest: ModelManifest, path: Path, engine: Any) -> None:
+        self._swap(engine)  # the next batch runs on it; the batch in flight ends on the old
+        previous = self.state.active
+        if previous is not None:
+            self.state.history = [
+                h
+                for h in self.state.history
+                if (h.name, h.version) != (manifest.name, manifest.version)
+            ]
+            self.state.history.append(previous)
+        self.state.active = InstalledModel(
+            name=manifest.name, version=manifest.version, path=str(path), sha256=manifest.sha256
+        )
+        self.state.declined = [
+            d for d in self.state.declined if d != [manifest.name, manifest.version]
+        ]
+        self._prune()
+        self.state.save(self.state_path)
+        log.info("model %s %s active", manifest.name, manifest.version)
+
+    def _prune(self) -> None:
+        keep = max(0, self.settings.models_keep - 1)
+        dropped = self.state.history[:-keep] if keep else list(self.state.history)
+        self.state.history = self.state.history[-keep:] if keep else []
+        kept = {str(Path(h.path)) for h in self.state.history}
+        if self.state.active is not None:
+            kept.add(str(Path(self.state.active.path)))
+        for old in dropped:
+            old_path = Path(old.path)
+            # Only files this updater wrote; the configured model is the operator's.
+            if old_path.parent == self.versions_dir and str(old_path) not in kept:
+                old_path.unlink(missing_ok=True)
+
+    def rollback(self) -> dict[str, Any]:
+        """Serve the previous version again; the one rolled back from is not reinstalled."""
+        with self._install_lock:
+            active = self.state.active
+            if active is None or not self.state.history:
+                raise ModelError("no earlier model version is kept on this agent")
+            previous = self.state.history[-1]
+            path = Path(previous.path)
+            if not path.is_file():
+                raise ModelError(f"the previous version's file {path} is gone")
+            if previous.sha256 and _sha256(path) != previous.sha256:
+                raise ModelError(f"the previous version's file {path} no longer matches its sha256")
+            engine = self._engine_factory(path)
+            self._swap(engine)
+            self.state.history = self.state.history[:-1]
+            self.state.declined.append([active.name, active.version])
+            self.state.active = previous
+            self.state.save(self.state_path)
+            detail = f"rolled back from {active.version} to {previous.version}"
+            self._status(previous.name, previous.version, "rolled-back", detail)
+            log.warning("model %s", detail)
+            return {"result": "rolled-back", "from": active.version, "version": previous.version}
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "active": asdict(self.state.active) if self.state.active else None,
+            "history": [h.version for h in self.state.history],
+            "declined": self.state.declined,
+            "last": self.last_result,
+            "installs": self.installs,
+            "refusals": self.refusals,
+        }
+
+    def _status(self, name: str, version: str, state: str, reason: str | None = None) -> None:
+        message = ModelStatus(
+            fleet=self.settings.fleet,
+            agent=self.settings.agent_id,
+            model_name=name[:64],
+            model_version=version[:64],
+            state=state,
+            reason=reason[:1024] if reason else None,
+            at=datetime.now(UTC),
+        )
+        try:
+            self._publish(self.topic_status, encode_message(message))
+        except EdgeLoopError as exc:
+            log.warning("could not publish model status: %s", exc)
+
+
+def _names(raw: bytes) -> tuple[str, str]:
+    """Name and version of an announcement before it is trusted (for refusal reports)."""
+    try:
+        manifest = decode_message(raw, ModelAnnouncement, max_bytes=1 << 22).manifest
+        return manifest.name, manifest.version
+    except (MessageError, ValueError):
+        return "", ""
