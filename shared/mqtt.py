@@ -98,10 +98,20 @@ def make_client(
     protocol: ProtocolName = "5",
     clean_start: bool = True,
     ca_file: str | None = None,
+    manual_ack: bool = False,
 ) -> mqtt.Client:
-    """A paho client for ``target`` with TCP_NODELAY, credentials and TLS applied."""
+    """A paho client for ``target`` with TCP_NODELAY, credentials and TLS applied.
+
+    ``clean_start`` applies to 3.1.1 here (clean session); for MQTT v5 pass
+    ``clean_start`` and a session expiry to ``connect()``. ``manual_ack`` lets a
+    receiver acknowledge a QoS 1 message only once it is durably stored.
+    """
     version = MQTTProtocolVersion.MQTTv5 if protocol == "5" else MQTTProtocolVersion.MQTTv311
-    kwargs: dict[str, Any] = {"client_id": client_id, "protocol": version}
+    kwargs: dict[str, Any] = {
+        "client_id": client_id,
+        "protocol": version,
+        "manual_ack": manual_ack,
+    }
     if protocol != "5":
         kwargs["clean_session"] = clean_start
     client = mqtt.Client(CallbackAPIVersion.VERSION2, **kwargs)
