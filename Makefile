@@ -39,13 +39,15 @@ venv: $(PY)
 install: $(STAMP_RUN)
 install-dev: $(STAMP_DEV)
 
-# System packages the tests use (a real Mosquitto for broker tests that need
-# their own instance; Chromium for UI tests). Installed only when missing and
-# only when running as root; otherwise those tests fall back or skip with a reason.
-SYSTEM_PACKAGES := mosquitto chromium chromium-driver
+# System packages the tests use: a Mosquitto the outage tests start and stop
+# themselves, and Debian's Chromium + ChromeDriver for the review UI's browser
+# tests. Installed only when missing and only when running as root; otherwise
+# those tests skip with the reason.
 system-deps:
 	@missing=""; \
 	command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || missing="$$missing mosquitto"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
 		echo "installing system packages:$$missing"; \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null) \

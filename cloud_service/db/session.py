@@ -58,7 +58,7 @@ def alembic_config(url: str) -> Any:
     return config
 
 
-def upgrade_database(url: str, revision: str = "head") -> None:
+def upgrade_database(url: str, revision: str = "heads") -> None:
     """Bring the database at ``url`` to ``revision`` (idempotent); raise StoreError on failure."""
     from alembic import command
 
