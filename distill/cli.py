@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from distill.cli_models import models_app
+from distill.cli_registry import register_commands
 from shared.console import ConfigOption, JsonOption, load_settings, print_json, settings_view
 from shared.settings import EdgeLoopSettings
 
@@ -14,6 +15,7 @@ app = typer.Typer(
     help="EdgeLoop: edge-cloud hybrid inference that gets better on its own.",
     no_args_is_help=True,
 )
+register_commands(models_app)
 app.add_typer(models_app, name="models")
 
 
