@@ -1,0 +1,1 @@
+"""The review UI: server-rendered pages for reviewers and admins (see ``routes``)."""
