@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 DEMO_ARGS   ?=
 BENCH_ARGS  ?=
 
-.PHONY: demo test bench lint venv install install-dev system-deps clean help
+.PHONY: demo test bench gpu-check lint venv install install-dev system-deps clean help
 
 help:
 	@echo "make demo   - run the loop on embedded defaults (embedded broker, SQLite, local folders)"
@@ -62,6 +62,11 @@ test: install-dev system-deps
 
 bench: install-dev
 	$(PY) -m bench.run $(BENCH_ARGS)
+
+# On a GPU machine: the gpu extra from .whl/, GPU tests and benchmarks, within 8 minutes;
+# results under gpu-check-results/.
+gpu-check:
+	bash scripts/gpu-check.sh
 
 lint: install-dev
 	$(PY) -m ruff check .
