@@ -1,0 +1,640 @@
+"""One distillation job, read top to bottom.
+
+    snapshot -> dataset -> train (KD, warm start) -> export -> INT8 -> evaluate -> gate
+             -> register -> deliver
+
+1. **Snapshot**: the verified samples (teacher verdict; a human label overrides the
+   teacher's), newest first, split by time: the newest ``holdout_share`` is the
+   *recent holdout* the gate judges on, a seeded ``val_share`` of the rest is for
+   early stopping, the remainder trains. The ids are stored (``dataset_snapshots``),
+   so a model version can be traced to the exact samples it saw.
+2. **Dataset**: verified frames, class-balanced by oversampling, with the teacher's
+   probabilities as soft targets (one-hot-ish where a human overrode the teacher),
+   plus a *replay* share of the reference training set scored by the teacher, so
+   the student does not forget the clean line.
+3. **Train**: ``distill.train.train`` with the Hinton loss
+   ``alpha * T^2 * KL(teacher_T || student_T) + (1 - alpha) * CE(label)``, warm-started
+   from the serving student's weights, early stopping on validation, torch limited to
+   the job's ``threads``; the job's cancel flag is checked after every step.
+4. **Export** to ONNX (BatchNorm folded, ONNX Runtime's offline graph optimisation,
+   numeric check), then **INT8** static QDQ calibrated on the most recent frames.
+5. **Evaluate** new FP32, new INT8 and the serving student on the recent holdout,
+   the fixed reference test set, and the reference test set under each drift.
+6. **Gate**: INT8 beats serving on the recent holdout by at least ``min_gain``, falls
+   at most ``max_reference_drop`` on the reference set, and stays within
+   ``int8_tolerance`` of its own FP32. A refused model is not registered; the job
+   still succeeds, with the reasons in its metrics and log.
+7. **Register** the INT8 model (lineage: job, snapshot, parent version; the metrics),
+   keep its checkpoint for the next warm start, and **deliver** it: promote to the
+   fleet (retained, signed announcement) or start a canary rollout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from cloud_service import registry
+from cloud_service.announce import Announcer
+from cloud_service.blobs import BlobStore
+from cloud_service.db.models import FleetModel, Label, ModelVersion, Sample, Verdict
+from distill.frames import FrameSet
+from distill.store import DatasetSnapshot, DistillJob
+from distill.worker import JobContext, JobOutcome
+from shared.errors import DataError, ModelError
+from shared.manifest import FleetSigningKey
+from shared.topics import Topics
+
+__all__ = [
+    "GateDecision",
+    "JobParams",
+    "PipelineServices",
+    "gate",
+    "make_runner",
+    "run_job",
+]
+
+TRAINABLE_STATUSES: tuple[str, ...] = ("verified", "reviewed", "flagged")
+
+
+@dataclass(frozen=True)
+class JobParams:
+    """A job's knobs (``distill.jobs.validate_params`` checks what users send)."""
+
+    fleet: str = "default"
+    model_name: str = "edgeloop-student"
+    epochs: int = 6
+    lr: float = 5e-4
+    batch_size: int = 64
+    temperature: float = 4.0
+    alpha: float = 0.7
+    patience: int = 3
+    max_samples: int = 5000
+    min_samples: int = 50
+    replay_share: float = 0.6
+    holdout_share: float = 0.2
+    val_share: float = 0.15
+    min_gain: float = 0.0
+    max_reference_drop: float = 0.02
+    int8_tolerance: float = 0.02
+    threads: int = 1
+    wall_time_s: float = 3600.0
+    delivery: str = "promote"
+    canary_percent: float = 25.0
+    drift_eval: str = "background:1,rotation:1,lighting:1,blur:1,noise:1,jpeg:1"
+    drift_eval_frames: int = 300
+    base_checkpoint: str = ""
+    serving_model: str = ""
+    teacher_model: str = ""
+    quick: bool = False
+    seed: int = 0
+    calibration_frames: int = 256
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> JobParams:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in params.items() if k in known})
+
+
+@dataclass
+class PipelineServices:
+    """What the job needs from its surroundings (the worker process builds these once)."""
+
+    sessions: Callable[[], Session]  # a sessionmaker: ``with services.sessions.begin()``
+    blobs: BlobStore
+    work_dir: Path
+    signing_key: FleetSigningKey | None = None
+    announcer: Announcer | None = None
+    topics: Topics | None = None
+    # Fallbacks when the fleet serves nothing registered yet: the reference models.
+    base_checkpoint: Path | None = None
+    serving_model: Path | None = None
+    teacher_model: Path | None = None
+    scenario: Any = None  # distill.scenario.ScenarioConfig; the reference one when None
+    console_progress: Callable[[int, str, float], None] | None = None
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    passed: bool
+    reasons: tuple[str, ...]
+    checks: dict[str, Any]
+
+
+def gate(
+    evaluation: dict[str, dict[str, float]],
+    *,
+    min_gain: float,
+    max_reference_drop: float,
+    int8_tolerance: float,
+) -> GateDecision:
+    """The release rule. ``evaluation[model][dataset]`` = accuracy; models new_fp32,
+    new_int8, serving; datasets holdout and reference."""
+    new, fp32, old = evaluation["new_int8"], evaluation["new_fp32"], evaluation["serving"]
+    gain = new["holdout"] - old["holdout"]
+    ref_drop = old["reference"] - new["reference"]
+    int8_gap = max(abs(fp32["holdout"] - new["holdout"]), abs(fp32["reference"] - new["reference"]))
+    reasons = []
+    if not gain > min_gain:
+        reasons.append(
+            f"no better on recent data: INT8 {new['holdout']:.3f} vs serving"
+            f" {old['holdout']:.3f} (needs a gain above {min_gain:+.3f})"
+        )
+    if ref_drop > max_reference_drop:
+        reasons.append(
+            f"falls on the reference set: {new['reference']:.3f} vs serving"
+            f" {old['reference']:.3f} (at most {max_reference_drop:.3f} lower allowed)"
+        )
+    if int8_gap > int8_tolerance:
+        reasons.append(f"INT8 is {int8_gap:.3f} from its FP32 (tolerance {int8_tolerance:.3f})")
+    checks = {
+        "holdout_gain": round(gain, 4),
+        "reference_drop": round(ref_drop, 4),
+        "int8_gap": round(int8_gap, 4),
+        "min_gain": min_gain,
+        "max_reference_drop": max_reference_drop,
+        "int8_tolerance": int8_tolerance,
+    }
+    return GateDecision(passed=not reasons, reasons=tuple(reasons), checks=checks)
+
+
+# ---------------------------------------------------------------------------------
+# Pieces
+
+
+@dataclass
+class _Row:
+    sample_id: str
+    image_key: str
+    label: int
+    teacher_label: int
+    scores: list[float]
+    human: bool
+
+
+def _decode(data: bytes, size: int) -> np.ndarray:
+    with Image.open(io.BytesIO(data)) as img:
+        rgb = img.convert("RGB")
+        if rgb.size != (size, size):
+            rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
+        return np.asarray(rgb, dtype=np.uint8)
+
+
+def _verified_rows(session: Session, fleet: str, limit: int) -> list[_Row]:
+    """Verified samples of the fleet, newest first; a human's latest label wins."""
+    pairs = session.execute(
+        select(Sample.sample_id, Sample.image_key, Verdict.label, Verdict.scores)
+        .join(Verdict, Verdict.sample_id == Sample.sample_id)
+        .where(Sample.fleet == fleet, Sample.status.in_(TRAINABLE_STATUSES))
+        .order_by(Verdict.verified_at.desc(), Sample.sample_id.desc())
+        .limit(limit)
+    ).all()
+    ids = [p[0] for p in pairs]
+    human: dict[str, int] = {}
+    for start in range(0, len(ids), 500):
+        chunk = ids[start : start + 500]
+        for sid, label in session.execute(
+            select(Label.sample_id, Label.label)
+            .where(Label.sample_id.in_(chunk))
+            .order_by(Label.created_at, Label.id)
+        ):
+            human[sid] = int(label)  # later rows overwrite: the latest label wins
+    return [
+        _Row(
+            sample_id=sid,
+            image_key=key,
+            label=human.get(sid, int(tlabel)),
+            teacher_label=int(tlabel),
+            scores=[float(x) for x in scores],
+            human=sid in human,
+        )
+        for sid, key, tlabel, scores in pairs
+    ]
+
+
+def _split(rows: list[_Row], p: JobParams) -> tuple[list[_Row], list[_Row], list[_Row]]:
+    """(train, val, holdout): the newest share is the holdout; val by a stable hash."""
+    n_hold = max(1, round(len(rows) * p.holdout_share))
+    holdout, rest = rows[:n_hold], rows[n_hold:]
+
+    def in_val(r: _Row) -> bool:
+        h = hashlib.sha256(f"{p.seed}/{r.sample_id}".encode()).digest()
+        return int.from_bytes(h[:4], "big") / 2**32 < p.val_share
+
+    val = [r for r in rest if in_val(r)]
+    train = [r for r in rest if not in_val(r)]
+    return train, val, holdout
+
+
+def _soft(rows: Sequence[_Row], classes: int) -> np.ndarray:
+    """Teacher probabilities; where a human overrode the teacher, a smoothed one-hot."""
+    out = np.zeros((len(rows), classes), dtype=np.float32)
+    for i, r in enumerate(rows):
+        if (r.human and r.label != r.teacher_label) or len(r.scores) != classes:
+            out[i] = 0.05 / classes
+            out[i, r.label] += 0.95
+        else:
+            out[i] = np.asarray(r.scores, dtype=np.float32)
+    return out / out.sum(axis=1, keepdims=True)
+
+
+def _frameset(
+    frames: np.ndarray, labels: np.ndarray, classes: tuple[str, ...], tag: str
+) -> FrameSet:
+    return FrameSet(
+        frames=frames.astype(np.uint8, copy=False),
+        labels=labels.astype(np.int64, copy=False),
+        class_names=classes,
+        identity=tag,
+    )
+
+
+def _balance(labels: np.ndarray, rng: np.random.Generator, classes: int) -> np.ndarray:
+    """Indices that oversample each present class up to the largest class's count."""
+    present = [c for c in range(classes) if (labels == c).any()]
+    if not present:
+        return np.arange(len(labels))
+    target = max(int((labels == c).sum()) for c in present)
+    picks = []
+    for c in present:
+        members = np.flatnonzero(labels == c)
+        extra = rng.choice(members, target - len(members), replace=True)
+        picks.append(np.concatenate([members, extra]))
+    return np.sort(np.concatenate(picks))
+
+
+def _serving(session: Session, fleet: str) -> ModelVersion | None:
+    current = session.get(FleetModel, fleet)
+    if current is None:
+        return None
+    return session.scalars(
+        select(ModelVersion).where(
+            ModelVersion.name == current.model_name, ModelVersion.version == current.version
+        )
+    ).first()
+
+
+def _blob_to_file(blobs: BlobStore, key: str, path: Path) -> Path:
+    local = registry.artifact_path(blobs, key)
+    if local is not None and local.is_file():
+        return local
+    path.write_bytes(blobs.get(key))
+    return path
+
+
+def _checkpoint_key(job_id: int) -> str:
+    return f"distill/jobs/{job_id}/student.pt"
+
+
+# ---------------------------------------------------------------------------------
+# The job
+
+
+def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
+    """Run one distillation job (see the module docstring for the steps)."""
+    from distill.drift import parse_drift_spec
+    from distill.evaluate import OnnxClassifier, evaluate
+    from distill.export import export_onnx
+    from distill.models import ModelMeta, load_checkpoint, save_checkpoint
+    from distill.quantize import quantize_onnx
+    from distill.scenario import ScenarioConfig, render_split
+    from distill.train import TrainConfig, train
+
+    p = JobParams.from_dict(ctx.params)
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    mark = [time.perf_counter()]
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        timings[name] = round(now - mark[0], 2)
+        mark[0] = now
+
+    def progress(phase: str, percent: float) -> None:
+        ctx.progress(phase, percent)
+        if services.console_progress is not None:
+            services.console_progress(ctx.job_id, phase, percent)
+
+    work = Path(tempfile.mkdtemp(prefix=f"job-{ctx.job_id}-", dir=services.work_dir))
+    scenario = services.scenario or ScenarioConfig()
+    rng = np.random.default_rng([p.seed, ctx.job_id])
+
+    # -- snapshot ------------------------------------------------------------------
+    progress("snapshot", 1)
+    with services.sessions() as session:
+        rows = _verified_rows(session, p.fleet, p.max_samples)
+        serving = _serving(session, p.fleet)
+        serving_info = (
+            None if serving is None else (serving.name, serving.version, serving.artifact_key)
+        )
+        parent_job = (
+            None
+            if serving is None
+            else session.scalars(
+                select(DistillJob).where(DistillJob.result_version == serving.version)
+            ).first()
+        )
+        parent_ckpt = None if parent_job is None else parent_job.metrics.get("checkpoint_key")
+    if len(rows) < p.min_samples:
+        raise DataError(
+            f"only {len(rows)} verified samples for fleet {p.fleet!r}; the job needs"
+            f" at least {p.min_samples} (min_samples)"
+        )
+    train_rows, val_rows, hold_rows = _split(rows, p)
+    counts = {
+        "verified": len(rows),
+        "train": len(train_rows),
+        "val": len(val_rows),
+        "holdout": len(hold_rows),
+        "human_labels": sum(r.human for r in rows),
+        "overridden": sum(r.human and r.label != r.teacher_label for r in rows),
+    }
+    with services.sessions() as session, session.begin():
+        snap = DatasetSnapshot(
+            job_id=ctx.job_id,
+            train_ids=[r.sample_id for r in train_rows],
+            val_ids=[r.sample_id for r in val_rows],
+            holdout_ids=[r.sample_id for r in hold_rows],
+            counts=counts,
+        )
+        session.add(snap)
+        session.flush()
+        snapshot_id = snap.id
+    ctx.log(f"snapshot {snapshot_id}: {counts}")
+    lap("snapshot")
+
+    # -- dataset -------------------------------------------------------------------
+    progress("dataset", 3)
+    size = scenario.frame_size
+
+    def load(rows_: Sequence[_Row]) -> np.ndarray:
+        out = np.empty((len(rows_), size, size, 3), dtype=np.uint8)
+        for i, r in enumerate(rows_):
+            out[i] = _decode(services.blobs.get(r.image_key), size)
+            if i % 64 == 0:
+                ctx.check()
+        return out
+
+    ref_train = render_split("train", scenario)
+    classes = ref_train.class_names
+    n_cls = len(classes)
+    x_ver, y_ver = load(train_rows), np.array([r.label for r in train_rows], dtype=np.int64)
+    s_ver = _soft(train_rows, n_cls)
+    x_val, y_val = load(val_rows), np.array([r.label for r in val_rows], dtype=np.int64)
+    x_hold, y_hold = load(hold_rows), np.array([r.label for r in hold_rows], dtype=np.int64)
+    keep = _balance(y_ver, rng, n_cls)
+    x_ver, y_ver, s_ver = x_ver[keep], y_ver[keep], s_ver[keep]
+
+    teacher_path = Path(p.teacher_model) if p.teacher_model else services.teacher_model
+    n_replay = round(len(x_ver) * p.replay_share / max(1e-6, 1.0 - p.replay_share))
+    n_replay = min(n_replay, len(ref_train))
+    replay_idx = np.sort(rng.choice(len(ref_train), n_replay, replace=False))
+    x_rep, y_rep = ref_train.frames[replay_idx], ref_train.labels[replay_idx]
+    if teacher_path is not None and n_replay:
+        s_rep = OnnxClassifier(teacher_path, threads=p.threads).scores(x_rep).astype(np.float32)
+    else:
+        s_rep = np.full((n_replay, n_cls), 0.05 / n_cls, dtype=np.float32)
+        s_rep[np.arange(n_replay), y_rep] += 0.95
+    train_set = _frameset(
+        np.concatenate([x_ver, x_rep]), np.concatenate([y_ver, y_rep]), classes, "job-train"
+    )
+    soft = np.concatenate([s_ver, s_rep]).astype(np.float32)
+    # Early stopping watches verified validation frames and as many clean reference
+    # ones, so it stops neither on drift alone nor on the clean line alone.
+    ref_val = render_split("validation", scenario)
+    n_ref_val = min(len(ref_val), max(len(x_val), 50))
+    ref_val_idx = np.sort(rng.choice(len(ref_val), n_ref_val, replace=False))
+    val_set = _frameset(
+        np.concatenate([x_val, ref_val.frames[ref_val_idx]]),
+        np.concatenate([y_val, ref_val.labels[ref_val_idx]]),
+        classes,
+        "job-val",
+    )
+    holdout = _frameset(x_hold, y_hold, classes, "job-holdout")
+    counts.update(train_frames=len(train_set), replay=n_replay, val_frames=len(val_set))
+    ctx.log(
+        f"dataset: {len(x_ver)} verified (class-balanced) + {n_replay} replay frames,"
+        f" {len(val_set)} validation, {len(holdout)} recent holdout"
+    )
+    lap("dataset")
+
+    # -- train ---------------------------------------------------------------------
+    progress("train", 5)
+    base_path: Path | None = None
+    if parent_ckpt and services.blobs.exists(str(parent_ckpt)):
+        base_path = _blob_to_file(services.blobs, str(parent_ckpt), work / "parent.pt")
+    elif p.base_checkpoint:
+        base_path = Path(p.base_checkpoint)
+    elif services.base_checkpoint is not None:
+        base_path = services.base_checkpoint
+    if base_path is None:
+        raise ModelError("no serving student weights to warm-start from (base_checkpoint)")
+    base = load_checkpoint(base_path)
+    cfg = TrainConfig.for_role(
+        "student",
+        arch=base.meta.arch,
+        width=base.meta.width,
+        epochs=p.epochs,
+        lr=p.lr,
+        batch_size=p.batch_size,
+        temperature=p.temperature,
+        alpha=p.alpha,
+        threads=p.threads,
+        seed=p.seed,
+        frame_size=size,
+    )
+    version = f"d{ctx.job_id}.{ctx.attempt}"
+    result = train(
+        cfg,
+        train_set,
+        val_set,
+        soft_targets=soft,
+        name=p.model_name,
+        version=version,
+        progress=False,
+        init_state=base.net.state_dict(),
+        on_step=lambda step, total: progress("train", 5 + 60 * step / max(1, total)),
+        patience=p.patience,
+    )
+    ctx.log(
+        f"trained from {base_path.name} ({base.meta.version}): best epoch"
+        f" {result.metrics['best_epoch']} of {len(result.history)},"
+        f" val {result.metrics.get('val_acc', float('nan')):.3f}"
+    )
+    lap("train")
+
+    # -- export, optimise, INT8 ----------------------------------------------------
+    progress("export", 66)
+    fp32_path, int8_path = work / "student.onnx", work / "student.int8.onnx"
+    export = export_onnx(
+        result.net,
+        fp32_path,
+        class_names=classes,
+        frame_size=size,
+        name=p.model_name,
+        version=version,
+        check_frames=x_hold,
+    )
+    ctx.log(
+        f"exported: {export.nodes_unoptimized} -> {export.nodes_final} nodes after optimisation"
+    )
+    progress("quantize", 72)
+    recent = np.concatenate([x_hold, x_val, x_ver])[: p.calibration_frames]
+    quant = quantize_onnx(fp32_path, int8_path, recent)
+    ctx.log(f"INT8: {quant.size_bytes} bytes, calibrated on {len(recent)} recent frames")
+    lap("export_quantize")
+
+    # -- evaluate ------------------------------------------------------------------
+    progress("evaluate", 78)
+    if serving_info is not None:
+        serving_path = _blob_to_file(services.blobs, serving_info[2], work / "serving.onnx")
+    elif p.serving_model:
+        serving_path = Path(p.serving_model)
+    elif services.serving_model is not None:
+        serving_path = services.serving_model
+    else:
+        raise ModelError("no serving student to compare with (serving_model)")
+    models = {
+        "new_fp32": OnnxClassifier(fp32_path, threads=p.threads),
+        "new_int8": OnnxClassifier(int8_path, threads=p.threads),
+        "serving": OnnxClassifier(serving_path, threads=p.threads),
+    }
+    ref_test = render_split("test", scenario)
+    n_eval = min(len(ref_test), p.drift_eval_frames)
+    eval_sets: dict[str, tuple[FrameSet, tuple[Any, ...]]] = {
+        "holdout": (holdout, ()),
+        "reference": (ref_test, ()),
+    }
+    test_small = ref_test.subset(np.sort(rng.choice(len(ref_test), n_eval, replace=False)))
+    for drift in parse_drift_spec(p.drift_eval):
+        eval_sets[f"drift:{drift}"] = (test_small, (drift,))
+    evaluation: dict[str, dict[str, float]] = {m: {} for m in models}
+    for i, (dname, (data, spec)) in enumerate(eval_sets.items()):
+        for mname, clf in models.items():
+            evaluation[mname][dname] = round(evaluate(clf, data, drift=spec, seed=1).accuracy, 4)
+        progress("evaluate", 78 + 14 * (i + 1) / len(eval_sets))
+    lap("evaluate")
+
+    # -- gate ----------------------------------------------------------------------
+    decision = gate(
+        evaluation,
+        min_gain=p.min_gain,
+        max_reference_drop=p.max_reference_drop,
+        int8_tolerance=p.int8_tolerance,
+    )
+    metrics: dict[str, Any] = {
+        "dataset": counts,
+        "snapshot_id": snapshot_id,
+        "train": {k: v for k, v in result.metrics.items() if not isinstance(v, dict)},
+        "history": result.history,
+        "evaluation": evaluation,
+        "gate": {"passed": decision.passed, "reasons": list(decision.reasons), **decision.checks},
+        "parent_version": None if serving_info is None else serving_info[1],
+        "warm_start": str(base_path.name),
+        "params": asdict(p),
+    }
+    if not decision.passed:
+        ctx.log("gate refused the new student: " + "; ".join(decision.reasons), level="warning")
+        lap("gate")
+        metrics.update(timings=timings, wall_s=round(time.perf_counter() - started, 2))
+        return JobOutcome(metrics=metrics, snapshot_id=snapshot_id)
+    ctx.log(f"gate passed: {decision.checks}")
+
+    # -- register ------------------------------------------------------------------
+    progress("register", 94)
+    if services.signing_key is None:
+        raise ModelError("the worker has no fleet signing key; cannot register")
+    ckpt = work / "student.pt"
+    meta = ModelMeta(
+        arch=cfg.arch,
+        num_classes=n_cls,
+        class_names=classes,
+        frame_size=size,
+        width=cfg.width,
+        name=p.model_name,
+        version=version,
+        train_config=cfg.cache_fields(),
+    )
+    save_checkpoint(ckpt, result.net, meta)
+    services.blobs.put(_checkpoint_key(ctx.job_id), ckpt.read_bytes())
+    metrics["checkpoint_key"] = _checkpoint_key(ctx.job_id)
+    flat = {
+        f"{m}_{d}": float(v)
+        for m, by_data in evaluation.items()
+        for d, v in by_data.items()
+        if d in ("holdout", "reference")
+    }
+    name = serving_info[0] if serving_info is not None else p.model_name
+    with services.sessions() as session, session.begin():
+        record = registry.register_model(
+            session=session,
+            blobs=services.blobs,
+            key=services.signing_key,
+            artifact=int8_path,
+            name=name,
+            version=version,
+            format="int8",
+            metrics=flat,
+            parent_version=None if serving_info is None else serving_info[1],
+            source=f"distill-job:{ctx.job_id}/snapshot:{snapshot_id}",
+        )
+        registered = f"registered {record.name} {record.version} (parent {record.parent_version})"
+
+        # -- deliver -------------------------------------------------------------
+        delivered = "none"
+        if p.delivery != "none" and services.announcer is not None and services.topics:
+            if p.delivery == "promote":
+                registry.promote(
+                    session=session,
+                    announcer=services.announcer,
+                    topics=services.topics,
+                    fleet=p.fleet,
+                    name=record.name,
+                    version=record.version,
+                )
+                delivered = "promoted"
+            else:
+                from cloud_service.rollout import create_rollout
+
+                rollout = create_rollout(
+                    session=session,
+                    announcer=services.announcer,
+                    topics=services.topics,
+                    fleet=p.fleet,
+                    name=record.name,
+                    version=record.version,
+                    percent=p.canary_percent,
+                )
+                delivered = f"canary rollout {rollout.id}"
+    # Logged after the commit: the log is another transaction (SQLite has one writer).
+    ctx.log(registered)
+    ctx.log(f"delivery: {delivered}")
+    lap("register_deliver")
+    metrics.update(
+        registered=version,
+        delivery=delivered,
+        timings=timings,
+        wall_s=round(time.perf_counter() - started, 2),
+    )
+    progress("done", 100)
+    return JobOutcome(metrics=metrics, result_version=version, snapshot_id=snapshot_id)
+
+
+def make_runner(services: PipelineServices) -> Callable[[JobContext], JobOutcome]:
+    """The worker's runner: ``DistillWorker(sessions, runner=make_runner(services))``."""
+
+    def runner(ctx: JobContext) -> JobOutcome:
+        return run_job(ctx, services)
+
+    return runner

@@ -1,0 +1,326 @@
+"""The distill worker: claim a job, keep its lease alive, run it, record how it ended.
+
+    worker = DistillWorker(sessions, owner="worker-1", runner=run_job)
+    worker.run(stop=threading.Event())        # until stopped; or worker.run_once()
+
+One job at a time per worker; run more workers (processes) to run more jobs. While a
+job runs, a heartbeat thread renews the lease every ``heartbeat_s`` and carries the
+job's latest progress to the database; it also brings back a cancel request. The
+job sees both through ``JobContext.check()``, which the pipeline calls between steps
+(every training step), and which raises:
+
+- ``JobCancelled`` when a cancel was asked for: the job ends ``cancelled``;
+- ``LeaseLost`` when the lease is gone: the worker drops the job without writing;
+- ``JobTimeout`` past the job's wall-time limit: the job ends ``failed``;
+- ``WorkerStopping`` on SIGTERM: the job is put back in the queue for another worker.
+
+A worker that dies mid-job stops renewing; the next ``reap_expired`` (every worker
+runs it before it claims) requeues the job, up to its ``max_attempts``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import update
+from sqlalchemy.orm import Session, sessionmaker
+
+from distill import jobs
+from distill.jobs import JobCancelled, LeaseLost
+from distill.store import DistillJob
+from shared.errors import EdgeLoopError
+
+__all__ = [
+    "DistillWorker",
+    "JobContext",
+    "JobOutcome",
+    "JobTimeout",
+    "WorkerStopping",
+    "default_owner",
+]
+
+log = logging.getLogger(__name__)
+
+
+class JobTimeout(EdgeLoopError):
+    """The job ran past its wall-time limit."""
+
+    reason = "timeout"
+
+
+class WorkerStopping(EdgeLoopError):
+    """The worker was asked to stop (SIGTERM); the job goes back to the queue."""
+
+    reason = "stopping"
+
+
+def default_owner() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class JobOutcome:
+    """What a finished job hands back to the worker."""
+
+    metrics: dict[str, Any] = field(default_factory=dict)
+    result_version: str | None = None
+    snapshot_id: int | None = None
+
+
+class JobContext:
+    """What a running job may do: read its params, report progress, log, and check in."""
+
+    def __init__(
+        self,
+        *,
+        job_id: int,
+        params: dict[str, Any],
+        attempt: int,
+        owner: str,
+        sessions: sessionmaker[Session],
+        wall_time_s: float | None,
+        stopping: threading.Event,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.job_id = job_id
+        self.params = params
+        self.attempt = attempt
+        self.owner = owner
+        self.sessions = sessions
+        self.wall_time_s = wall_time_s
+        self._clock = clock
+        self.started = clock()
+        self.cancelled = threading.Event()
+        self.lease_lost = threading.Event()
+        self._stopping = stopping
+        self._lock = threading.Lock()
+        self.phase = "claimed"
+        self.percent = 0.0
+        self.eta_s: float | None = None
+
+    def progress(self, phase: str, percent: float, eta_s: float | None = None) -> None:
+        """Record progress; it reaches the database with the next heartbeat."""
+        with self._lock:
+            self.phase, self.percent = phase, max(0.0, min(100.0, percent))
+            if eta_s is None and self.percent > 1.0:
+                elapsed = self._clock() - self.started
+                eta_s = elapsed * (100.0 - self.percent) / self.percent
+            self.eta_s = eta_s
+        self.check()
+
+    def snapshot(self) -> tuple[str, float, float | None]:
+        with self._lock:
+            return self.phase, self.percent, self.eta_s
+
+    def log(self, message: str, level: str = "info") -> None:
+        log.info("job %d: %s", self.job_id, message)
+        with self.sessions.begin() as session:
+            jobs.append_log(session=session, job_id=self.job_id, message=message, level=level)
+
+    def check(self) -> None:
+        """Raise if the job must stop now (cancelled, lease lost, past its wall time, stopping)."""
+        if self.lease_lost.is_set():
+            raise LeaseLost(f"job {self.job_id}: lease lost")
+        if self.cancelled.is_set():
+            raise JobCancelled(f"job {self.job_id} was cancelled")
+        if self._stopping.is_set():
+            raise WorkerStopping(f"worker {self.owner} is stopping")
+        if self.wall_time_s is not None and self._clock() - self.started > self.wall_time_s:
+            raise JobTimeout(
+                f"job {self.job_id} ran past its wall-time limit of {self.wall_time_s:g} s"
+            )
+
+
+Runner = Callable[[JobContext], JobOutcome]
+
+
+class DistillWorker:
+    """Claims and runs jobs until stopped."""
+
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        *,
+        runner: Runner,
+        owner: str | None = None,
+        lease_s: float = 30.0,
+        heartbeat_s: float | None = None,
+        poll_s: float = 1.0,
+        default_wall_time_s: float | None = 3600.0,
+    ) -> None:
+        if lease_s <= 0:
+            raise ValueError("lease_s must be > 0")
+        self.sessions = sessions
+        self.runner = runner
+        self.owner = owner or default_owner()
+        self.lease_s = lease_s
+        # Three heartbeats per lease: one lost beat (a slow commit) does not lose the job.
+        self.heartbeat_s = heartbeat_s or lease_s / 3.0
+        self.poll_s = poll_s
+        self.default_wall_time_s = default_wall_time_s
+        self.stopping = threading.Event()
+        self.current: JobContext | None = None
+        self.finished: list[tuple[int, str]] = []  # (job id, final state) for this worker
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def run(self, *, max_jobs: int | None = None, idle_exit_s: float | None = None) -> int:
+        """Claim and run jobs until ``stop()`` (or ``max_jobs`` run, or idle that long)."""
+        ran, idle_since = 0, time.monotonic()
+        while not self.stopping.is_set():
+            if max_jobs is not None and ran >= max_jobs:
+                break
+            job_id = self.run_once()
+            if job_id is not None:
+                ran += 1
+                idle_since = time.monotonic()
+                continue
+            if idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
+                break
+            self.stopping.wait(self.poll_s)
+        return ran
+
+    def run_once(self) -> int | None:
+        """Requeue expired leases, claim one job and run it; the job's id, or None."""
+        with self.sessions.begin() as session:
+            jobs.reap_expired(session=session)
+        with self.sessions.begin() as session:
+            job = jobs.claim(session=session, owner=self.owner, lease_s=self.lease_s)
+            if job is None:
+                return None
+            job_id, params, attempt = job.id, dict(job.params), job.attempts
+        wall = params.get("wall_time_s", self.default_wall_time_s)
+        ctx = JobContext(
+            job_id=job_id,
+            params=params,
+            attempt=attempt,
+            owner=self.owner,
+            sessions=self.sessions,
+            wall_time_s=float(wall) if wall is not None else None,
+            stopping=self.stopping,
+        )
+        self.current = ctx
+        beat_stop = threading.Event()
+        beat = threading.Thread(
+            target=self._heartbeat, args=(ctx, beat_stop), name=f"lease-{job_id}", daemon=True
+        )
+        beat.start()
+        try:
+            state = self._run(ctx)
+        finally:
+            beat_stop.set()
+            beat.join(timeout=10)
+            self.current = None
+        self.finished.append((job_id, state))
+        return job_id
+
+    def _run(self, ctx: JobContext) -> str:
+        try:
+            outcome = self.runner(ctx)
+        except LeaseLost:
+            log.warning("job %d: lease lost; dropped without writing", ctx.job_id)
+            return "lost"
+        except JobCancelled:
+            return self._end(ctx, "cancelled", error="cancelled on request")
+        except WorkerStopping:
+            return self._requeue(ctx, "worker stopped (SIGTERM); requeued for another worker")
+        except JobTimeout as exc:
+            return self._end(ctx, "failed", error=str(exc))
+        except Exception as exc:  # the job's own failure, recorded with its traceback
+            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            with self.sessions.begin() as session:
+                jobs.append_log(
+                    session=session,
+                    job_id=ctx.job_id,
+                    message=traceback.format_exc(limit=8),
+                    level="error",
+                )
+            return self._end(ctx, "failed", error=detail)
+        return self._end(
+            ctx,
+            "succeeded",
+            metrics=outcome.metrics,
+            result_version=outcome.result_version,
+            snapshot_id=outcome.snapshot_id,
+        )
+
+    def _end(
+        self,
+        ctx: JobContext,
+        state: str,
+        *,
+        error: str | None = None,
+        metrics: dict[str, Any] | None = None,
+        result_version: str | None = None,
+        snapshot_id: int | None = None,
+    ) -> str:
+        try:
+            with self.sessions.begin() as session:
+                jobs.finish(
+                    session=session,
+                    job_id=ctx.job_id,
+                    owner=self.owner,
+                    state=state,
+                    error=error,
+                    metrics=metrics,
+                    result_version=result_version,
+                    snapshot_id=snapshot_id,
+                )
+        except LeaseLost:
+            log.warning("job %d: lease lost before it could be marked %s", ctx.job_id, state)
+            return "lost"
+        return state
+
+    def _requeue(self, ctx: JobContext, message: str) -> str:
+        with self.sessions.begin() as session:
+            result = session.execute(
+                update(DistillJob)
+                .where(DistillJob.id == ctx.job_id, DistillJob.lease_owner == self.owner)
+                .values(
+                    state="queued",
+                    lease_owner=None,
+                    lease_expires_at=None,
+                    phase="requeued",
+                    # A graceful stop is not the job's fault: give the attempt back.
+                    attempts=DistillJob.attempts - 1,
+                )
+                .execution_options(synchronize_session=False)
+            )
+            if result.rowcount == 1:  # type: ignore[attr-defined]
+                jobs.append_log(session=session, job_id=ctx.job_id, message=message)
+        return "queued"
+
+    def _heartbeat(self, ctx: JobContext, stop: threading.Event) -> None:
+        while not stop.wait(self.heartbeat_s):
+            phase, percent, eta = ctx.snapshot()
+            try:
+                with self.sessions.begin() as session:
+                    cancel = jobs.renew(
+                        session=session,
+                        job_id=ctx.job_id,
+                        owner=self.owner,
+                        lease_s=self.lease_s,
+                        phase=phase,
+                        percent=percent,
+                        eta_s=eta,
+                        now=datetime.now(UTC),
+                    )
+            except LeaseLost:
+                ctx.lease_lost.set()
+                return
+            except Exception as exc:  # a database hiccup: try again next beat
+                log.warning("job %d: heartbeat failed: %s", ctx.job_id, exc)
+                continue
+            if cancel:
+                ctx.cancelled.set()
