@@ -1,0 +1,89 @@
+"""Chaos, full forms: inject each fault on loopback and print what was lost.
+
+    .venv/bin/python scripts/chaos.py [--only NAME ...] [--offline-s 300] [--json]
+
+Scenarios (tests/chaos/harness.py): broker restart mid-stream, verifier SIGKILL
+(several), agent offline for ``--offline-s`` then back, agent spool full (a byte cap
+standing in for a full disk). Prints one row per fault: what was tried; forwarded,
+lost, duplicated, without verdict, evicted by policy, redelivered, crashed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.chaos.harness import (
+    Outcome,
+    Rig,
+    agent_offline,
+    broker_restart,
+    spool_full,
+    verifier_sigkill,
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--frames", type=int, default=1000)
+    parser.add_argument("--offline-s", type=float, default=300.0)
+    parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    plan = {
+        "broker_restart": lambda rig: broker_restart(rig, frames_n=args.frames, down_s=5.0),
+        "verifier_sigkill": lambda rig: verifier_sigkill(
+            rig, frames_n=args.frames, kills=args.kills
+        ),
+        "agent_offline": lambda rig: agent_offline(
+            rig, frames_n=args.frames // 4, offline_s=args.offline_s
+        ),
+        "spool_full": lambda rig: spool_full(rig, frames_n=args.frames, max_bytes=1 << 17),
+    }
+    rows: list[dict[str, object]] = []
+    for name, scenario in plan.items():
+        if args.only and name not in args.only:
+            continue
+        folder = Path(tempfile.mkdtemp(prefix=f"edgeloop-chaos-{name}-"))
+        rig = Rig(folder)
+        start = time.monotonic()
+        try:
+            outcome: Outcome = scenario(rig)
+        finally:
+            rig.close()
+            shutil.rmtree(folder, ignore_errors=True)
+        row = outcome.row()
+        row["seconds"] = round(time.monotonic() - start, 1)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        cols = [
+            "fault",
+            "tried",
+            "forwarded",
+            "lost",
+            "duplicated",
+            "without_verdict",
+            "evicted_by_policy",
+            "redelivered",
+            "crashed",
+            "ok",
+        ]
+        print(" | ".join(cols))
+        for row in rows:
+            print(" | ".join(str(row[c]) for c in cols))
+    sys.exit(0 if all(r["ok"] for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Soak: a simulated fleet publishes samples at a steady rate for a long time.
+
+    .venv/bin/python scripts/soak.py [--minutes 10] [--rate 50] [--agents 4] [--json]
+
+One process, loopback only: a private Mosquitto on a free port, the real verifier
+(``VerifierWorker``: ingest, teacher batching, verdicts) on SQLite in a temp dir,
+and ``--agents`` simulated agents (paho clients at QoS 1, each subscribed to its own
+receipts and verdicts). Per minute it records the process's resident memory and the
+publish-to-verdict latency percentiles. Pass: RSS growth from the first to the last
+minute <= 10 %, the last minute's p99 within 2x the first's, nothing lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import psutil
+
+from cloud_service.demo_teacher import build_demo_teacher
+from cloud_service.settings import CloudSettings
+from cloud_service.worker import VerifierWorker
+from shared.broker import free_port
+from shared.envelope import encode_envelope
+from shared.messages import Verdict
+from shared.mqtt import MqttTarget, make_client
+from shared.topics import Topics
+from tests.cloud_service.conftest import image_bytes, make_header
+
+
+def start_mosquitto(folder: Path) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    conf = folder / "mosquitto.conf"
+    conf.write_text(
+        f"listener {port} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\n"
+        "max_queued_messages 100000\npersistence false\n"
+        + ("user root\n" if os.geteuid() == 0 else "")
+    )
+    binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+    proc = subprocess.Popen([binary, "-c", str(conf)], stderr=subprocess.DEVNULL)
+    time.sleep(0.5)
+    return proc, port
+
+
+class SimFleet:
+    """``agents`` publishers; verdict latency per sample id, measured on arrival."""
+
+    def __init__(self, url: str, topics: Topics, agents: int) -> None:
+        self.topics = topics
+        self.sent: dict[str, float] = {}
+        self.latency: list[tuple[float, float]] = []  # (arrival time, seconds)
+        self.verdicts: dict[str, int] = {}
+        self.lock = threading.Lock()
+        target = MqttTarget.parse(url)
+        self.clients = []
+        for i in range(agents):
+            client = make_client(target, client_id=f"soak-agent-{i}-{uuid.uuid4().hex[:6]}")
+            client.on_message = self._on_message
+            client.connect(target.host, target.port)
+            client.loop_start()
+            client.subscribe(topics.verdicts("fleet-soak", f"cam-{i}"), qos=1)
+            self.clients.append(client)
+        self.images = [image_bytes(seed=s) for s in range(16)]
+
+    def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
+        verdict = Verdict.model_validate_json(message.payload)
+        now = time.monotonic()
+        with self.lock:
+            self.verdicts[verdict.sample_id] = self.verdicts.get(verdict.sample_id, 0) + 1
+            sent = self.sent.get(verdict.sample_id)
+            if sent is not None and self.verdicts[verdict.sample_id] == 1:
+                self.latency.append((now, now - sent))
+
+    def publish(self, n: int) -> None:
+        i = n % len(self.clients)
+        image = self.images[n % len(self.images)]
+        header = make_header(image, fleet="fleet-soak", agent=f"cam-{i}", priority=n % 10)
+        with self.lock:
+            self.sent[header.sample_id] = time.monotonic()
+        self.clients[i].publish(
+            self.topics.samples("fleet-soak", f"cam-{i}"), encode_envelope(header, image), qos=1
+        )
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.disconnect()
+            client.loop_stop()
+
+
+def run(minutes: float, rate: float, agents: int) -> dict[str, Any]:
+    folder = Path(tempfile.mkdtemp(prefix="edgeloop-soak-"))
+    broker, port = start_mosquitto(folder)
+    url = f"mqtt://127.0.0.1:{port}"
+    topics = Topics(prefix="edgeloop-soak/v1")
+    settings = CloudSettings(
+        data_dir=folder / "data",
+        mqtt_url=url,
+        topic_prefix=topics.prefix,
+        teacher_model=build_demo_teacher(folder / "teacher.onnx", size=32, classes=10),
+        blob_fsync=False,
+        review_audit_share=0.0,
+        verifier_client_id=f"soak-verifier-{uuid.uuid4().hex[:6]}",
+    )
+    me = psutil.Process()
+    windows: list[dict[str, Any]] = []
+    try:
+        with VerifierWorker(settings) as worker:
+            fleet = SimFleet(url, topics, agents)
+            start = time.monotonic()
+            end = start + minutes * 60
+            n = 0
+            next_window = start + 60
+            window_from = start
+            while time.monotonic() < end:
+                target = int((time.monotonic() - start) * rate)
+                while n < target:
+                    fleet.publish(n)
+                    n += 1
+                now = time.monotonic()
+                if now >= next_window:
+                    with fleet.lock:
+                        lat = [s for t, s in fleet.latency if window_from <= t < now]
+                    windows.append(
+                        {
+                            "minute": len(windows) + 1,
+                            "rss_mb": round(me.memory_info().rss / 2**20, 1),
+                            "verdicts": len(lat),
+                            "p50_ms": round(float(np.percentile(lat, 50)) * 1000, 1)
+                            if lat
+                            else None,
+                            "p99_ms": round(float(np.percentile(lat, 99)) * 1000, 1)
+                            if lat
+                            else None,
+                        }
+                    )
+                    print(json.dumps(windows[-1]), flush=True)
+                    window_from, next_window = now, now + 60
+                time.sleep(0.005)
+            deadline = time.monotonic() + 60  # let the tail drain
+            while time.monotonic() < deadline and len(fleet.verdicts) < len(fleet.sent):
+                time.sleep(0.2)
+            fleet.close()
+            counts = dict(worker.counts)
+    finally:
+        broker.terminate()
+        broker.wait(5)
+        shutil.rmtree(folder, ignore_errors=True)
+    first, last = windows[0], windows[-1]
+    growth = (last["rss_mb"] - first["rss_mb"]) / first["rss_mb"]
+    lost = len(set(fleet.sent) - set(fleet.verdicts))
+    duplicated = sum(1 for c in fleet.verdicts.values() if c > 1)
+    return {
+        "minutes": minutes,
+        "rate_per_s": rate,
+        "agents": agents,
+        "published": len(fleet.sent),
+        "verdicts": len(fleet.verdicts),
+        "lost": lost,
+        "duplicate_verdicts": duplicated,
+        "worker_counts": counts,
+        "rss_growth": round(growth, 4),
+        "p99_first_ms": first["p99_ms"],
+        "p99_last_ms": last["p99_ms"],
+        "windows": windows,
+        "pass": growth <= 0.10
+        and lost == 0
+        and (last["p99_ms"] or 0) <= 2 * max(first["p99_ms"] or 0, 50),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--rate", type=float, default=50.0, help="samples per second, fleet-wide")
+    parser.add_argument("--agents", type=int, default=4)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    result = run(args.minutes, args.rate, args.agents)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for key, value in result.items():
+            if key != "windows":
+                print(f"{key}: {value}")
+    sys.exit(0 if result["pass"] else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Fuzz targets and input strategies, shared by the short tests and ``scripts/fuzz.py``.
+
+Each ``check_*`` takes one input and returns the outcome's name; it raises only if
+the code under test crashed (an exception outside the documented error tree) or, for
+HTTP, answered 5xx. Inputs are a mix of raw bytes and mutations of a valid message
+(byte flips, truncation, splices), which reach far deeper than random bytes alone.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from hypothesis import strategies as st
+
+from shared.envelope import EnvelopeLimits, decode_envelope, encode_envelope
+from shared.errors import EdgeLoopError
+from shared.manifest import FleetSigningKey, ModelManifest, sign_manifest, verify_manifest_bytes
+from shared.messages import encode_message
+from shared.topics import Topics
+from tests.cloud_service.conftest import image_bytes, make_header
+from tests.shared.test_manifest import manifest_fields
+
+LIMITS = EnvelopeLimits(max_header_bytes=4096, max_image_bytes=200_000, max_pixels=1_000_000)
+TOPICS = Topics(prefix="edgeloop/v1")
+_IMAGE = image_bytes(32)
+_PNG = image_bytes(32, fmt="PNG", seed=3)
+VALID_ENVELOPE = encode_envelope(make_header(_IMAGE), _IMAGE)
+KEY = FleetSigningKey.generate()
+VALID_ANNOUNCEMENT = encode_message(sign_manifest(ModelManifest(**manifest_fields()), KEY))
+
+
+@st.composite
+def mutated(draw: Any, seed: bytes) -> bytes:
+    data = bytearray(seed)
+    for _ in range(draw(st.integers(0, 8))):
+        op = draw(st.sampled_from(["flip", "cut", "insert", "splice"]))
+        if not data:
+            break
+        at = draw(st.integers(0, len(data) - 1))
+        if op == "flip":
+            data[at] ^= 1 << draw(st.integers(0, 7))
+        elif op == "cut":
+            del data[at:]
+        elif op == "insert":
+            data[at:at] = draw(st.binary(min_size=1, max_size=16))
+        else:
+            data[at : at + draw(st.integers(1, 64))] = draw(st.binary(max_size=64))
+    return bytes(data)
+
+
+def payloads(seed: bytes) -> st.SearchStrategy[bytes]:
+    return st.one_of(st.binary(max_size=4096), mutated(seed), st.just(seed))
+
+
+ENVELOPES = payloads(VALID_ENVELOPE)
+ANNOUNCEMENTS = st.one_of(
+    payloads(VALID_ANNOUNCEMENT),
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=10), c, max_size=4),
+        max_leaves=10,
+    ).map(lambda v: __import__("json").dumps(v).encode()),
+)
+INGEST_TOPICS = st.one_of(
+    st.sampled_from(
+        [
+            TOPICS.samples("fleet-a", "cam-1"),
+            TOPICS.samples("fleet-a", "cam-2"),
+            TOPICS.status("fleet-a", "cam-1"),
+            TOPICS.model_status("fleet-a", "cam-1"),
+            TOPICS.verdicts("fleet-a", "cam-1"),
+            "edgeloop/v1/Fleet/../samples",
+            "edgeloop/v1/fleet-a/cam-1/samples/extra",
+            "other/prefix/fleet-a/cam-1/samples",
+        ]
+    ),
+    st.text(max_size=80),
+)
+INGEST_PAYLOADS = st.one_of(
+    ENVELOPES,
+    payloads(b'{"schema":"agent-status","v":1,"fleet":"fleet-a","agent":"cam-1","state":"online"}'),
+)
+FRAME_TYPES = st.sampled_from(
+    ["image/jpeg", "image/png", "application/octet-stream", "text/plain", "", "image/gif"]
+)
+FRAMES = st.one_of(payloads(_IMAGE), payloads(_PNG), st.binary(max_size=2048))
+
+
+def check_envelope(data: bytes) -> str:
+    try:
+        decode_envelope(data, LIMITS)
+    except EdgeLoopError as exc:
+        return f"refused:{exc.reason}"
+    return "accepted"
+
+
+def check_manifest(data: bytes) -> str:
+    try:
+        verify_manifest_bytes(data, KEY.public_key_b64)
+    except EdgeLoopError as exc:
+        return f"refused:{exc.reason}"
+    return "accepted"
+
+
+def check_ingest(topic: str, payload: bytes) -> str:
+    from cloud_service.ingest import DeadLetterRow, classify
+
+    outcome = classify(topic, payload, topics=TOPICS, limits=LIMITS, input_size=(32, 32))
+    if isinstance(outcome, DeadLetterRow):
+        return f"refused:{outcome.reason}"
+    return type(outcome).__name__
+
+
+@contextmanager
+def frame_client(agent: Any) -> Iterator[Any]:
+    """A TestClient on the edge agent's HTTP app (in-process, no socket)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Starlette wants httpx2; the httpx we have works
+        from fastapi.testclient import TestClient
+    from edge_agent.sources.http import create_app
+
+    with TestClient(create_app(agent), raise_server_exceptions=False) as client:
+        yield client
+
+
+def check_frame(client: Any, body: bytes, content_type: str) -> str:
+    headers = {"Content-Type": content_type} if content_type else {}
+    response = client.post("/v1/frames", content=body, headers=headers)
+    if response.status_code >= 500:
+        raise AssertionError(f"5xx from /v1/frames: {response.status_code} {response.text[:200]}")
+    return str(response.status_code)
