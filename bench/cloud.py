@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +40,15 @@ from cloud_service.demo_teacher import build_demo_teacher
 from cloud_service.settings import CloudSettings
 from cloud_service.verifier import TeacherModel
 from cloud_service.worker import VerifierWorker
-from shared.envelope import encode_envelope
+from shared.envelope import EnvelopeLimits, decode_envelope, encode_envelope
 from shared.ids import new_sample_id
 from shared.mqtt import MqttTarget, make_client, negotiate_protocol
 from shared.topics import Topics
 
 SIZE = 64
 BATCH = 32
+# Camera crops of 208 px, JPEG q90: envelopes of ~20 KB, the payload size the goal names.
+PAYLOAD_IMAGE_PX = 208
 POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 BROKER = "mqtt://127.0.0.1:1883"
 
@@ -99,12 +102,20 @@ def _database() -> tuple[str, Any]:
 
 
 def _envelopes(n: int, fleet: str, agent: str) -> list[bytes]:
-    header, image = typical_sample(SIZE)
+    header, image = typical_sample(PAYLOAD_IMAGE_PX)
     out = []
     for _ in range(n):
         h = header.model_copy(update={"sample_id": new_sample_id(), "fleet": fleet, "agent": agent})
         out.append(encode_envelope(h, image))
     return out
+
+
+def _fresh(payload: bytes) -> bytes:
+    """The same envelope with ``captured_at`` now: latency counts from capture, not from
+    when the bench prepared the batch (which added the publishing schedule to it)."""
+    envelope = decode_envelope(payload, EnvelopeLimits())
+    header = envelope.header.model_copy(update={"captured_at": datetime.now(UTC)})
+    return encode_envelope(header, envelope.image)
 
 
 def _publisher(protocol: Any) -> mqtt.Client:
@@ -167,7 +178,7 @@ def _end_to_end(
             delay = start + i / rate - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-        pub.publish(topic, payload, qos=1)
+        pub.publish(topic, _fresh(payload) if rate else payload, qos=1)
     deadline = time.monotonic() + 120
     while worker.counts["verdicts"] - before < n and time.monotonic() < deadline:
         time.sleep(0.005)

@@ -20,8 +20,54 @@ from typing import Any
 
 from bench.common import machine_info
 
-SECTIONS = ["envelope", "models", "agent", "cloud", "delivery"]
+SECTIONS = ["envelope", "models", "agent", "cloud", "delivery", "ui", "gpu"]
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _goal(name: str, value: Any, target: float) -> dict[str, Any]:
+    if isinstance(value, int | float):
+        status = "met" if value >= target else "not met"
+        return {
+            "goal": name,
+            "measured": round(float(value), 3),
+            "target": f">= {target}",
+            "status": status,
+        }
+    return {"goal": name, "measured": "-", "target": f">= {target}", "status": value}
+
+
+def goal_summary(sections: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each goal of the performance issue with its measured ratio (from this run only)."""
+    cloud = sections.get("cloud", {}).get("figures", {})
+    agent = sections.get("agent", {}).get("figures", {})
+    gpu = sections.get("gpu", {}).get("figures", {})
+    first = next(iter(agent.values()), {}) if agent else {}
+    not_run = "not run"
+    no_gpu = gpu.get("skipped", not_run) if gpu else not_run
+    kernels = [
+        v["share_of_peak"] for v in gpu.values() if isinstance(v, dict) and v.get("share_of_peak")
+    ]
+    return [
+        _goal(
+            "verifier serving efficiency (batched / raw ORT)",
+            cloud.get("serving_efficiency", not_run),
+            0.85,
+        ),
+        _goal("dynamic batching (batch 32 / batch 1)", cloud.get("batching_speedup", not_run), 4.0),
+        _goal("agent HTTP / raw ORT (tensors)", first.get("http_vs_raw", not_run), 0.8),
+        _goal("agent video / raw ORT (video read)", first.get("video_vs_raw_video", not_run), 0.8),
+        _goal(
+            "pipeline / raw Mosquitto, 20 KB payloads", cloud.get("e2e_vs_raw_mqtt", not_run), 0.5
+        ),
+        _goal(
+            "GPU: teacher TRT INT8 / CUDA FP32, batch 32",
+            gpu.get("trt_int8_vs_cuda_fp32_batch32", no_gpu),
+            2.0,
+        ),
+        _goal(
+            "GPU: kernels share of memory bandwidth (min)", min(kernels) if kernels else no_gpu, 0.6
+        ),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
             markdown += [table, ""]
             print(table, flush=True)
 
+    summary = goal_summary(report["sections"])
+    report["goals"] = summary
+    table = ["| goal | measured | target | status |", "|---|---|---|---|"]
+    table += [f"| {g['goal']} | {g['measured']} | {g['target']} | {g['status']} |" for g in summary]
+    markdown[3:3] = ["## Goals", "", *table, ""]
+    print("\n".join(table), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     payload = json.dumps(report, indent=2, default=str)

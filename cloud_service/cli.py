@@ -27,6 +27,8 @@ keys_app = typer.Typer(help="The fleet's model-signing key.", no_args_is_help=Tr
 app.add_typer(keys_app, name="keys")
 tokens_app = typer.Typer(help="One-time agent enrollment tokens.", no_args_is_help=True)
 app.add_typer(tokens_app, name="tokens")
+users_app = typer.Typer(help="Users of the review UI (admin, reviewer).", no_args_is_help=True)
+app.add_typer(users_app, name="users")
 
 HostOption = typer.Option(None, "--host", help="Address to listen on (settings: http_host).")
 
@@ -114,6 +116,101 @@ def create_token_command(
     console.print(f"fleet {fleet}, agent {agent or '(agent chooses)'}, expires {expires_at}")
 
 
+def _password(password: str | None) -> str:
+    """The password from --password, else asked twice on the terminal (never echoed)."""
+    if password:
+        return password
+    return str(typer.prompt("password", hide_input=True, confirmation_prompt=True))
+
+
+def _with_session(config: Path | None, work):  # type: ignore[no-untyped-def]
+    from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
+
+    settings = load_settings(CloudSettings, config)
+    try:
+        url = settings.resolved_database_url
+        upgrade_database(url)
+        engine = make_engine(url)
+        try:
+            with make_session_factory(engine).begin() as session:
+                return work(session)
+        finally:
+            engine.dispose()
+    except EdgeLoopError as exc:
+        fail(exc.message)
+
+
+@users_app.command("add")
+def add_user_command(
+    username: str = typer.Argument(..., help="Sign-in name."),
+    role: str = typer.Option("reviewer", "--role", help="admin or reviewer."),
+    password: str | None = typer.Option(
+        None, "--password", help="Password (asked on the terminal when left out)."
+    ),
+    config: Path | None = ConfigOption,
+    as_json: bool = JsonOption,
+) -> None:
+    """Add a review UI user."""
+    from cloud_service.db import crud
+
+    secret = _password(password)
+    result = _with_session(
+        config,
+        lambda s: (lambda u: {"id": u.id, "username": u.username, "role": u.role})(
+            crud.create_user(session=s, username=username, password=secret, role=role)
+        ),
+    )
+    if as_json:
+        print_json(result)
+    else:
+        console.print(f"user {result['username']} added ({result['role']})")
+
+
+@users_app.command("passwd")
+def passwd_command(
+    username: str = typer.Argument(..., help="Sign-in name."),
+    password: str | None = typer.Option(
+        None, "--password", help="New password (asked on the terminal when left out)."
+    ),
+    config: Path | None = ConfigOption,
+) -> None:
+    """Set a user's password; the user's open sessions end."""
+    from cloud_service.db import crud
+
+    secret = _password(password)
+    _with_session(
+        config, lambda s: crud.set_password(session=s, username=username, password=secret)
+    )
+    console.print(f"password of {username} changed; their sessions have ended")
+
+
+@users_app.command("list")
+def list_users_command(config: Path | None = ConfigOption, as_json: bool = JsonOption) -> None:
+    """List the review UI's users."""
+    from cloud_service.db import crud
+
+    rows = _with_session(
+        config,
+        lambda s: [
+            {
+                "username": u.username,
+                "role": u.role,
+                "disabled": u.disabled,
+                "created_at": u.created_at.isoformat(timespec="seconds"),
+                "last_login_at": u.last_login_at.isoformat(timespec="seconds")
+                if u.last_login_at
+                else None,
+            }
+            for u in crud.list_users(session=s)
+        ],
+    )
+    if as_json:
+        print_json(rows)
+        return
+    for row in rows:
+        typer.echo(f"{row['username']:<24} {row['role']:<9} last sign-in {row['last_login_at']}")
+
+
 @app.command("settings")
 def show_settings(config: Path | None = ConfigOption, as_json: bool = JsonOption) -> None:
     """Print the effective settings (file + environment), secrets redacted."""
@@ -143,6 +240,53 @@ def run_embedded_broker(
                 pass
     except EdgeLoopError as exc:
         fail(exc.message)
+
+
+@app.command("broker-config")
+def broker_config_command(
+    out: Path = typer.Option(..., "--out", help="Folder for mosquitto.conf, passwd, acl, certs."),
+    dev_ca: bool = typer.Option(False, "--dev-ca", help="Generate a development CA and cert."),
+    port: int = typer.Option(8883, "--port", help="TLS listener port."),
+    host: str = typer.Option("0.0.0.0", "--host", help="TLS listener address."),
+    plain_port: int | None = typer.Option(
+        None, "--plain-port", help="Also a plaintext listener on 127.0.0.1 (same users/ACLs)."
+    ),
+    config: Path | None = ConfigOption,
+    as_json: bool = JsonOption,
+) -> None:
+    """Write a Mosquitto configuration: TLS listener, password file, per-agent ACLs."""
+    from cloud_service.brokerconf import write_broker_config
+
+    settings = load_settings(CloudSettings, config)
+    try:
+        files = write_broker_config(
+            out,
+            topics=settings.topics,
+            tls_port=port,
+            host=host,
+            plain_port=plain_port,
+            dev_ca=dev_ca,
+        )
+    except EdgeLoopError as exc:
+        fail(exc.message)
+    folder = files.password_file.parent
+    view = {
+        "config": str(folder / "mosquitto.conf"),
+        "password_file": str(files.password_file),
+        "acl_file": str(files.acl_file),
+        "pid_file": str(files.pid_file),
+        "ca_file": str(folder / "ca.crt"),
+        "service_credentials": [str(folder / "verifier.env"), str(folder / "api.env")],
+        "api_settings": {"broker_auth": True, "broker_config_dir": str(folder)},
+    }
+    if as_json:
+        print_json(view)
+        return
+    console.print(f"wrote {view['config']} (run: mosquitto -c {view['config']})")
+    console.print(f"service credentials (mode 0600): {', '.join(view['service_credentials'])}")
+    console.print(
+        f"set EDGELOOP_BROKER_AUTH=true and EDGELOOP_BROKER_CONFIG_DIR={folder} on the API"
+    )
 
 
 @keys_app.command("init")

@@ -26,6 +26,7 @@ from shared.messages import AgentStatus, ModelStatus, SampleHeader, decode_messa
 from shared.topics import TopicRef, Topics
 
 __all__ = [
+    "AgentBreaker",
     "DeadLetterRow",
     "IngestModelStatus",
     "IngestSample",
@@ -234,3 +235,67 @@ class ReceiptBuffer:
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+class AgentBreaker:
+    """A circuit breaker per agent on its share of refused messages.
+
+    Over ``window_s``, once an agent sent at least ``min_messages`` and more than
+    ``error_rate`` of them were dead letters, it is isolated for ``cooldown_s``: its
+    messages are dead-lettered with reason ``isolated`` without being decoded (a
+    flood of malformed data costs the verifier a topic parse, no more). After the
+    cool-down it is let in again with a clean window.
+    """
+
+    def __init__(
+        self,
+        *,
+        window_s: float = 60.0,
+        min_messages: int = 20,
+        error_rate: float = 0.5,
+        cooldown_s: float = 300.0,
+        max_agents: int = 100_000,
+    ) -> None:
+        self.window_s = window_s
+        self.min_messages = min_messages
+        self.error_rate = error_rate
+        self.cooldown_s = cooldown_s
+        self.max_agents = max_agents
+        # (fleet, agent) -> (window start, messages, errors)
+        self._windows: dict[tuple[str, str], tuple[float, int, int]] = {}
+        self._isolated: dict[tuple[str, str], float] = {}  # -> monotonic time it ends
+
+    def isolated_until(self, fleet: str, agent: str, now: float | None = None) -> float | None:
+        """When the agent's isolation ends (monotonic), or None if it is let in."""
+        now = time.monotonic() if now is None else now
+        key = (fleet, agent)
+        until = self._isolated.get(key)
+        if until is None:
+            return None
+        if now >= until:
+            del self._isolated[key]
+            self._windows.pop(key, None)
+            return None
+        return until
+
+    def record(self, fleet: str, agent: str, *, ok: bool, now: float | None = None) -> bool:
+        """Count one message; True when this one opened the breaker."""
+        now = time.monotonic() if now is None else now
+        key = (fleet, agent)
+        start, total, errors = self._windows.get(key, (now, 0, 0))
+        if now - start > self.window_s:
+            start, total, errors = now, 0, 0
+        total += 1
+        errors += 0 if ok else 1
+        if total >= self.min_messages and errors / total > self.error_rate:
+            self._windows.pop(key, None)
+            self._isolated[key] = now + self.cooldown_s
+            return True
+        if key not in self._windows and len(self._windows) >= self.max_agents:
+            self._windows.pop(next(iter(self._windows)))  # bound the table
+        self._windows[key] = (start, total, errors)
+        return False
+
+    def isolated(self, now: float | None = None) -> list[tuple[str, str]]:
+        now = time.monotonic() if now is None else now
+        return [key for key in list(self._isolated) if self.isolated_until(*key, now=now)]

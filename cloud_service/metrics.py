@@ -75,6 +75,24 @@ class CloudMetrics:
         self.http_requests = Counter(
             "edgeloop_http_requests", "HTTP requests", ["method", "route", "status"], registry=r
         )
+        self.rate_limited = Counter(
+            "edgeloop_http_rate_limited", "Requests refused with 429", ["group"], registry=r
+        )
+        self.isolated_agents = Gauge(
+            "edgeloop_isolated_agents", "Agents isolated by the malformed-data breaker", registry=r
+        )
+        self.isolations = Counter(
+            "edgeloop_agent_isolations",
+            "Times an agent's breaker opened",
+            ["fleet", "agent"],
+            registry=r,
+        )
+        self.shed = Counter(
+            "edgeloop_verifier_shed",
+            "Samples stored but left pending under overload (verified later)",
+            ["priority"],
+            registry=r,
+        )
         self._agreed = 0
         self._verified = 0
 

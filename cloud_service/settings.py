@@ -45,6 +45,34 @@ class CloudSettings(EdgeLoopSettings):
     )
     enrollment_ttl_s: int = Field(default=86400, ge=60, le=30 * 86400)
 
+    # Broker authentication (cloud_service/brokerconf.py; `cloud-service broker-config`).
+    broker_auth: bool = Field(
+        default=False, description="enrollment issues per-agent broker credentials and ACLs"
+    )
+    broker_config_dir: Path | None = Field(
+        default=None, description="passwd/acl/mosquitto.pid of the broker; data_dir/broker if unset"
+    )
+
+    # Abuse limits (cloud_service/security.py): a token bucket per client and route group.
+    rate_limit_enroll_per_min: float = Field(default=30.0, ge=0.0, description="0: no limit")
+    rate_limit_login_per_min: float = Field(default=20.0, ge=0.0, description="0: no limit")
+    rate_limit_upload_per_min: float = Field(default=600.0, ge=0.0, description="0: no limit")
+    rate_limit_burst: int = Field(default=10, ge=1, le=10_000)
+
+    # Degradation: a per-agent circuit breaker on malformed data, load shedding.
+    breaker_window_s: float = Field(default=60.0, gt=0.0, le=3600.0)
+    breaker_min_messages: int = Field(default=20, ge=1)
+    breaker_error_rate: float = Field(default=0.5, gt=0.0, le=1.0)
+    breaker_cooldown_s: float = Field(default=300.0, ge=0.0, le=86_400.0)
+    shed_queue_depth: int = Field(
+        default=5000,
+        ge=1,
+        description="batcher depth above which low-priority (audit) samples are left pending",
+    )
+    shed_priority_at_least: int = Field(
+        default=8, ge=0, le=9, description="sample priorities (0 most urgent) that are shed first"
+    )
+
     blob_dir: Path | None = Field(default=None, description="image store; data_dir/blobs if unset")
     blob_fsync: bool = Field(default=True, description="fsync each blob before acknowledging")
 
@@ -116,6 +144,10 @@ class CloudSettings(EdgeLoopSettings):
     @property
     def resolved_teacher_model(self) -> Path:
         return self.teacher_model or self.data_dir / "models" / "teacher.onnx"
+
+    @property
+    def resolved_broker_config_dir(self) -> Path:
+        return self.broker_config_dir or self.data_dir / "broker"
 
     @property
     def resolved_agent_mqtt_url(self) -> str:

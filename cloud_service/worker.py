@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -40,6 +41,7 @@ from cloud_service.db import crud
 from cloud_service.db.models import Sample
 from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
 from cloud_service.ingest import (
+    AgentBreaker,
     DeadLetterRow,
     IngestModelStatus,
     IngestSample,
@@ -128,9 +130,23 @@ class VerifierWorker:
             flush_s=settings.receipt_flush_ms / 1000, max_ids=settings.receipt_max_ids
         )
         self._inbox: queue.Queue[mqtt.MQTTMessage] = queue.Queue()
+        # Image decode is ingest's largest cost and Pillow releases the GIL while it
+        # decodes and resizes, so a small pool spreads one ingest batch over the cores.
+        self._decoders = ThreadPoolExecutor(
+            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="decode"
+        )
         self._results: queue.Queue[tuple[SampleTask, np.ndarray | BaseException]] = queue.Queue()
         self._inflight: set[str] = set()
         self._inflight_lock = threading.Lock()
+        self.breaker = AgentBreaker(
+            window_s=settings.breaker_window_s,
+            min_messages=settings.breaker_min_messages,
+            error_rate=settings.breaker_error_rate,
+            cooldown_s=settings.breaker_cooldown_s,
+        )
+        self.shed_count = 0
+        self._breaker_lock = threading.Lock()  # classify runs on the decoder pool
+        self._isolated_shown: set[tuple[str, str]] = set()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._connected = threading.Event()
@@ -181,6 +197,7 @@ class VerifierWorker:
         for thread in self._threads:
             thread.join(10)
         self._threads.clear()
+        self._decoders.shutdown(wait=True)
         if client is not None:
             client.disconnect()
             client.loop_stop()
@@ -302,15 +319,20 @@ class VerifierWorker:
         samples: list[IngestSample] = []
         dead: list[DeadLetterRow] = []
         statuses: list[IngestStatus | IngestModelStatus] = []
-        for message in messages:
-            outcome = classify(
-                message.topic,
-                bytes(message.payload),
-                topics=self.topics,
-                limits=self.limits,
-                input_size=self.teacher.input_size,
-                keep_bytes=self.settings.dead_letter_keep_bytes,
-            )
+        classify_one = functools.partial(
+            classify,
+            topics=self.topics,
+            limits=self.limits,
+            input_size=self.teacher.input_size,
+            keep_bytes=self.settings.dead_letter_keep_bytes,
+        )
+        guarded = self._breaker_guard(classify_one)
+        topics_payloads = [(m.topic, bytes(m.payload)) for m in messages]
+        if len(messages) > 1:
+            outcomes = list(self._decoders.map(lambda tp: guarded(*tp), topics_payloads))
+        else:
+            outcomes = [guarded(*tp) for tp in topics_payloads]
+        for outcome in outcomes:
             if isinstance(outcome, IngestSample):
                 samples.append(outcome)
             elif isinstance(outcome, DeadLetterRow):
@@ -341,6 +363,7 @@ class VerifierWorker:
             if message.qos > 0:
                 self.client.ack(message.mid, message.qos)
         self._account(samples, new_ids, dead)
+        self._record_isolations()
         for verdict in republish:
             self._publish_verdict(verdict)
         submitted: set[str] = set()
@@ -349,6 +372,66 @@ class VerifierWorker:
             if sid in new_ids and sid not in submitted:
                 submitted.add(sid)
                 self._submit(sample.task())
+
+    # --- circuit breaker on malformed data ------------------------------------
+
+    def _breaker_guard(self, inner: Callable[[str, bytes], Any]) -> Callable[[str, bytes], Any]:
+        """``inner`` behind the per-agent breaker: an isolated agent's messages are not decoded."""
+
+        def guarded(topic: str, payload: bytes) -> Any:
+            try:
+                ref = self.topics.parse(topic)
+            except EdgeLoopError:
+                return inner(topic, payload)  # no agent to blame: dead-lettered as wrong_topic
+            if ref.agent is None:
+                return inner(topic, payload)
+            with self._breaker_lock:
+                until = self.breaker.isolated_until(ref.fleet, ref.agent)
+            if until is not None:
+                return DeadLetterRow(
+                    topic=topic,
+                    reason="isolated",
+                    message=f"agent {ref.fleet}/{ref.agent} is isolated for its error rate",
+                    payload=b"",
+                    payload_size=len(payload),
+                    fleet=ref.fleet,
+                    agent_id=ref.agent,
+                )
+            outcome = inner(topic, payload)
+            with self._breaker_lock:
+                opened = self.breaker.record(
+                    ref.fleet, ref.agent, ok=not isinstance(outcome, DeadLetterRow)
+                )
+            if opened:
+                self.metrics.isolations.labels(ref.fleet, ref.agent).inc()
+                log.warning("agent %s/%s isolated: malformed messages", ref.fleet, ref.agent)
+            return outcome
+
+        return guarded
+
+    def _record_isolations(self) -> None:
+        """Mirror the breaker into agents.state ('isolated'), so the API shows it."""
+        with self._breaker_lock:
+            now_isolated = set(self.breaker.isolated())
+        opened = now_isolated - self._isolated_shown
+        closed = self._isolated_shown - now_isolated
+        if not opened and not closed:
+            return
+        from sqlalchemy import update
+
+        from cloud_service.db.models import Agent
+
+        with self.sessions.begin() as session:
+            for (fleet, agent), state in [(k, "isolated") for k in opened] + [
+                (k, "unknown") for k in closed
+            ]:
+                session.execute(
+                    update(Agent)
+                    .where(Agent.agent_id == agent, Agent.fleet == fleet)
+                    .values(state=state)
+                )
+        self._isolated_shown = now_isolated
+        self.metrics.isolated_agents.set(len(now_isolated))
 
     def _account(
         self, samples: list[IngestSample], new_ids: set[str], dead: list[DeadLetterRow]
@@ -380,6 +463,16 @@ class VerifierWorker:
             self.metrics.receipts.inc(len(unique))
 
     def _submit(self, task: SampleTask) -> None:
+        if (
+            task.priority >= self.settings.shed_priority_at_least
+            and self.batcher.depth >= self.settings.shed_queue_depth
+        ):
+            # Shed under overload, lowest priority (audit) first: the sample is stored,
+            # acked and receipted, just left pending; the recovery scan verifies it
+            # once the queue has drained. Nothing stored is lost.
+            self.metrics.shed.labels(str(task.priority)).inc()
+            self.shed_count += 1
+            return
         with self._inflight_lock:
             if task.sample_id in self._inflight:
                 return

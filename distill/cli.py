@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from distill.cli_engine import register_engine_command
+from distill.cli_jobs import jobs_app
 from distill.cli_models import models_app
 from distill.cli_registry import register_commands
 from shared.console import ConfigOption, JsonOption, load_settings, print_json, settings_view
@@ -16,7 +18,9 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 register_commands(models_app)
+register_engine_command(models_app)
 app.add_typer(models_app, name="models")
+app.add_typer(jobs_app, name="jobs")
 
 
 @app.command("demo")
@@ -44,6 +48,38 @@ def demo(
         quick=quick,
         as_json=as_json,
     )
+
+
+@app.command("loop")
+def closed_loop(
+    config: Path | None = ConfigOption,
+    frames: int = typer.Option(400, min=50, max=100_000, help="Frames per phase per agent."),
+    agents: int = typer.Option(3, min=1, max=32, help="Simulated agents on the stream."),
+    drift: str = typer.Option("blur:0.8", help="Drift injected after the clean phase."),
+    threshold: float = typer.Option(0.9, min=0.0, max=1.0, help="Student forwarding threshold."),
+    max_samples: int = typer.Option(500, min=20, help="Teacher-labelled frames the round uses."),
+    threads: int = typer.Option(1, min=1, max=64, help="Thread limit of the distill job."),
+    plot: Path | None = typer.Option(None, help="Where to save the SVG plot."),
+    quick: bool = typer.Option(False, "--quick", help="Small, fast-trained reference models."),
+    as_json: bool = JsonOption,
+) -> None:
+    """The closed loop: drift, trigger, a distillation round, delivery, recovery; a table."""
+    from simulations.closed_loop import run_closed_loop
+
+    settings = load_settings(EdgeLoopSettings, config)
+    result = run_closed_loop(
+        settings,
+        quick=quick,
+        frames=frames,
+        agents=agents,
+        drift=drift,
+        threshold=threshold,
+        max_samples=max_samples,
+        threads=threads,
+        plot=plot,
+    )
+    if as_json:
+        print_json(result)
 
 
 @app.command("settings")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,7 +72,8 @@ class LoadedData:
     def describe(self) -> str:
         counts = self.frames.class_counts()
         text = (
-            f"{len(self.frames)} frames, {len(counts)} classes, split {self.split}, from {self.source}"
+            f"{len(self.frames)} frames, {len(counts)} classes,"
+            f" split {self.split}, from {self.source}"
         )
         if self.skipped:
             text += f"; skipped {len(self.skipped)} unreadable file(s)"
@@ -97,8 +97,8 @@ def _read_image(path: Path, frame_size: int) -> np.ndarray:
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         with Image.open(path) as img:
             img.draft("RGB", (frame_size * 2, frame_size * 2))  # JPEG: decode at reduced size
-            img = ImageOps.exif_transpose(img)
-            rgb = img.convert("RGB").resize((frame_size, frame_size), Image.Resampling.BILINEAR)
+            upright = ImageOps.exif_transpose(img)
+            rgb = upright.convert("RGB").resize((frame_size, frame_size), Image.Resampling.BILINEAR)
             return np.asarray(rgb, dtype=np.uint8)
 
 
@@ -110,7 +110,9 @@ def load_image_folder(root: Path, *, frame_size: int, split: str = "all") -> Loa
     """Load ``root/<class>/<images>`` as frames of ``frame_size`` px; see module docstring."""
     root = Path(root).expanduser()
     if split not in FOLDER_SPLITS:
-        raise DataError(f"unknown split {split!r} for a folder; use one of {', '.join(FOLDER_SPLITS)}")
+        raise DataError(
+            f"unknown split {split!r} for a folder; use one of {', '.join(FOLDER_SPLITS)}"
+        )
     if not root.is_dir():
         raise DataError(f"no such folder: {root} ({_LAYOUT})")
     class_dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
@@ -122,9 +124,7 @@ def load_image_folder(root: Path, *, frame_size: int, split: str = "all") -> Loa
     skipped: list[SkippedFile] = []
     fingerprint = hashlib.sha256()
     for label, class_dir in enumerate(class_dirs):
-        files = sorted(
-            p for p in class_dir.rglob("*") if p.is_file() and _visible(p, root)
-        )
+        files = sorted(p for p in class_dir.rglob("*") if p.is_file() and _visible(p, root))
         for path in files:
             rel = path.relative_to(root).as_posix()
             if split != "all" and folder_split_of(rel) != split:
@@ -187,7 +187,7 @@ def load_data(
             raise DataError(
                 f"scenario renders {config.frame_size} px frames, {frame_size} px requested"
             )
-        return LoadedData(frames=render_split(split, config), source=DIGITS, split=split)  # type: ignore[arg-type]
+        return LoadedData(frames=render_split(split, config), source=DIGITS, split=split)
     return load_image_folder(Path(source), frame_size=frame_size, split=split or "all")
 
 
@@ -202,7 +202,3 @@ def write_image_folder(data: FrameSet, root: Path, *, fmt: str = "png") -> list[
         Image.fromarray(frame).save(path)
         written.append(path)
     return written
-
-
-def class_names_of(paths: Sequence[Path]) -> tuple[str, ...]:
-    return tuple(sorted({p.parent.name for p in paths}))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from PIL import Image, ImageFilter
+from PIL import Image
 from scipy import ndimage
 
 from distill.frames import FrameSet
@@ -73,6 +73,27 @@ class DriftKind:
 
 
 # ---------------------------------------------------------------------------------
+# The scale of each drift at severity 1.0 (pixel sizes for 64 px frames, scaled with
+# the frame). Tuned together with the models: at 1.0 each drift must cost the
+# clean-trained student at least 15 points of top-1 while the drift-augmented
+# teacher keeps 93% or more (measured in bench/models.py). Changing one changes the
+# teacher's training data: bump distill.cache.CODE_VERSION.
+
+_BACKGROUND_TREAD = 0.25  # relative brightness swing of the new belt's tread
+_BACKGROUND_SCUFF_OPACITY = 0.4
+_ROTATION_MAX_DEGREES = 30.0
+_LIGHTING_CONTRAST_LOSS = 0.7  # contrast falls to 1 - this
+_LIGHTING_DIM = 0.4  # mean brightness falls by this
+_LIGHTING_GRADIENT = 0.8  # +- brightness swing across the frame
+_LIGHTING_CAST = 0.25  # colour cast (relative per-channel gain)
+_BLUR_MOTION_PX = 14.0
+_BLUR_DEFOCUS_SIGMA_PX = 1.6
+_NOISE_SIGMA = 55.0  # of 255
+_NOISE_IMPULSE = 0.04  # fraction of hot/dead pixels
+_JPEG_QUALITY_CLEAN = 95
+_JPEG_QUALITY_WORST = 3
+
+# ---------------------------------------------------------------------------------
 # The drift functions. Each takes float32 pixels in 0..255 and returns the same;
 # random draws come first, severity scales them afterwards (see module docstring).
 
@@ -80,7 +101,9 @@ class DriftKind:
 def _background(
     frame: np.ndarray, s: float, rng: np.random.Generator, mask: np.ndarray | None
 ) -> np.ndarray:
-    alt = alternate_background(rng, frame.shape[0])
+    alt = alternate_background(
+        rng, frame.shape[0], tread=_BACKGROUND_TREAD, scuff_opacity=_BACKGROUND_SCUFF_OPACITY
+    )
     if mask is None:
         # Without a mask the object cannot be kept in front, so the new texture shows
         # through everywhere at half strength.
@@ -89,14 +112,11 @@ def _background(
     return frame * (1.0 - visible) + alt * visible
 
 
-_MAX_ROTATION_DEGREES = 40.0
-
-
 def _rotation(
     frame: np.ndarray, s: float, rng: np.random.Generator, mask: np.ndarray | None
 ) -> np.ndarray:
     sign = float(rng.choice([-1.0, 1.0]))
-    angle = sign * s * _MAX_ROTATION_DEGREES
+    angle = sign * s * _ROTATION_MAX_DEGREES
     if angle == 0.0:
         return frame
     # Rotate about the object (its ink centroid) when known so it stays in view.
@@ -130,13 +150,13 @@ def _lighting(
     cast /= max(float(np.linalg.norm(cast)), 1e-6)
     # A failing lamp: contrast collapses, the frame dims towards one side, and the
     # light takes on a colour.
-    contrast = 1.0 - 0.8 * s
+    contrast = 1.0 - _LIGHTING_CONTRAST_LOSS * s
     mean = frame.mean(axis=(0, 1), keepdims=True)
     out = mean + (frame - mean) * contrast
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / max(size - 1, 1) - 0.5
     ramp = xx * math.cos(direction) + yy * math.sin(direction)  # -0.7..0.7
-    gain = (1.0 - 0.45 * s) * (1.0 + 0.9 * s * ramp)
-    out = out * gain[..., None] * (1.0 + 0.25 * s * cast)[None, None, :]
+    gain = (1.0 - _LIGHTING_DIM * s) * (1.0 + _LIGHTING_GRADIENT * s * ramp)
+    out = out * gain[..., None] * (1.0 + _LIGHTING_CAST * s * cast)[None, None, :]
     return out
 
 
@@ -149,9 +169,9 @@ def _blur(
     k = size / 64.0
     # Motion blur along the belt (the shutter is too slow for the line speed), plus
     # defocus. Lengths in pixels at 64 px frames, scaled with the frame.
-    length = 1.0 + s * 14.0 * k
-    sigma = s * 1.6 * k
-    taps = max(1, int(math.ceil(length)))
+    length = 1.0 + s * _BLUR_MOTION_PX * k
+    sigma = s * _BLUR_DEFOCUS_SIGMA_PX * k
+    taps = max(1, math.ceil(length))
     weights = np.ones(taps, dtype=np.float32)
     weights[-1] = length - (taps - 1)  # fractional last tap keeps blur continuous in s
     weights /= weights.sum()
@@ -169,14 +189,10 @@ def _noise(
     gauss = rng.standard_normal(frame.shape).astype(np.float32)
     speckle = rng.uniform(0.0, 1.0, frame.shape[:2]).astype(np.float32)
     hot = rng.choice([0.0, 255.0], size=frame.shape[:2]).astype(np.float32)
-    out = frame + gauss * (s * 70.0)
-    impulse = speckle < s * 0.06
+    out = frame + gauss * (s * _NOISE_SIGMA)
+    impulse = speckle < s * _NOISE_IMPULSE
     out[impulse] = hot[impulse][:, None]
     return out
-
-
-_JPEG_QUALITY_CLEAN = 95
-_JPEG_QUALITY_WORST = 3
 
 
 def _jpeg(
@@ -184,22 +200,18 @@ def _jpeg(
 ) -> np.ndarray:
     if s <= 0.0:
         return frame
-    # An overloaded uplink pushed the encoder to a lower quality and a lower
-    # resolution (encoded at half size, shown upscaled).
-    quality = round(_JPEG_QUALITY_CLEAN - s * (_JPEG_QUALITY_CLEAN - _JPEG_QUALITY_WORST))
-    size = frame.shape[0]
+    # An overloaded uplink pushed the encoder's quality down; past half severity it
+    # also subsamples chroma (4:2:0), as constrained encoders do. Quality falls
+    # geometrically (95, 40, 17, 7, 3 at 0, .25, .5, .75, 1): JPEG damage grows
+    # mostly in the last few quality steps, so a linear ramp would sit flat and
+    # then fall off a cliff.
+    quality = round(_JPEG_QUALITY_CLEAN * (_JPEG_QUALITY_WORST / _JPEG_QUALITY_CLEAN) ** s)
     img = Image.fromarray(np.clip(np.rint(frame), 0, 255).astype(np.uint8))
-    scaled = max(8, round(size * (1.0 - 0.5 * s)))
-    if scaled < size:
-        img = img.resize((scaled, scaled), Image.Resampling.BILINEAR)
     buf = io.BytesIO()
     img.save(buf, format="JPEG", quality=quality, subsampling=2 if s > 0.5 else 0)
     buf.seek(0)
     with Image.open(buf) as decoded:
-        out = decoded.convert("RGB")
-        if scaled < size:
-            out = out.resize((size, size), Image.Resampling.BILINEAR)
-        return np.asarray(out, dtype=np.float32)
+        return np.asarray(decoded.convert("RGB"), dtype=np.float32)
 
 
 DRIFT_KINDS: dict[str, DriftKind] = {
@@ -213,32 +225,33 @@ DRIFT_KINDS: dict[str, DriftKind] = {
         ),
         DriftKind(
             "rotation",
-            f"the camera mount twists: up to {_MAX_ROTATION_DEGREES:g} degrees at 1.0,"
+            f"the camera mount twists: up to {_ROTATION_MAX_DEGREES:g} degrees at 1.0,"
             " either direction",
             _rotation,
         ),
         DriftKind(
             "lighting",
-            "a failing lamp: at 1.0 contrast falls to 20%, the frame dims by 45% with a"
-            " +-90% gradient across it and a colour cast",
+            f"a failing lamp: at 1.0 contrast falls to {100 * (1 - _LIGHTING_CONTRAST_LOSS):.0f}%,"
+            f" the frame dims by {100 * _LIGHTING_DIM:.0f}% with a"
+            f" +-{100 * _LIGHTING_GRADIENT:.0f}% gradient across it and a colour cast",
             _lighting,
         ),
         DriftKind(
             "blur",
-            "slow shutter and lost focus: at 1.0 a 15 px motion blur along the belt plus"
-            " a 1.6 px Gaussian (64 px frames)",
+            f"slow shutter and lost focus: at 1.0 a {1 + _BLUR_MOTION_PX:g} px motion blur"
+            f" along the belt plus a {_BLUR_DEFOCUS_SIGMA_PX:g} px Gaussian (64 px frames)",
             _blur,
         ),
         DriftKind(
             "noise",
-            "high sensor gain: at 1.0 Gaussian noise of sigma 70 (of 255) per channel and"
-            " 6% hot/dead pixels",
+            f"high sensor gain: at 1.0 Gaussian noise of sigma {_NOISE_SIGMA:g} (of 255) per"
+            f" channel and {100 * _NOISE_IMPULSE:g}% hot/dead pixels",
             _noise,
         ),
         DriftKind(
             "jpeg",
-            f"encoder squeezed: quality {_JPEG_QUALITY_CLEAN} down to {_JPEG_QUALITY_WORST}"
-            " at 1.0, encoded at down to half resolution with chroma subsampling",
+            f"encoder squeezed: JPEG quality {_JPEG_QUALITY_CLEAN} falling geometrically to"
+            f" {_JPEG_QUALITY_WORST} at 1.0 (17 at 0.5), 4:2:0 chroma subsampling above 0.5",
             _jpeg,
         ),
     )
@@ -347,7 +360,7 @@ def apply_drift_frame(
 ) -> np.ndarray:
     """One uint8 [H, W, 3] frame through the spec; returns a new uint8 frame."""
     if not spec:
-        return frame
+        return frame.copy()
     out = frame.astype(np.float32)
     seed = [rng_seed] if isinstance(rng_seed, int) else list(rng_seed)
     for drift in _canonical(spec):
@@ -359,8 +372,13 @@ def apply_drift_frame(
     return np.rint(out).astype(np.uint8)
 
 
-def apply_drift(frames: FrameSet | np.ndarray, spec: Sequence[Drift], *, seed: int = 0) -> np.ndarray:
-    """All frames through the spec; frame i uses generator (seed, i). Returns uint8 NHWC."""
+def apply_drift(
+    frames: FrameSet | np.ndarray, spec: Sequence[Drift], *, seed: int = 0
+) -> np.ndarray:
+    """All frames through the spec; frame i uses generator (seed, i). Returns uint8 NHWC.
+
+    With an empty spec the input pixels themselves are returned, not a copy.
+    """
     if isinstance(frames, FrameSet):
         pixels, masks = frames.frames, frames.masks
     else:

@@ -99,7 +99,10 @@ class TorchClassifier:
     def from_checkpoint(cls, path: Path) -> TorchClassifier:
         loaded = load_checkpoint(path)
         return cls(
-            loaded.net, loaded.meta.class_names, loaded.meta.frame_size, name=f"{loaded.meta.name} (torch)"
+            loaded.net,
+            loaded.meta.class_names,
+            loaded.meta.frame_size,
+            name=f"{loaded.meta.name} (torch)",
         )
 
     def scores(self, frames: np.ndarray) -> np.ndarray:
@@ -137,9 +140,9 @@ def align_labels(data: FrameSet, class_names: Sequence[str]) -> np.ndarray:
     if tuple(data.class_names) == tuple(class_names):
         return np.asarray(data.labels)
     index = {name: i for i, name in enumerate(class_names)}
-    unknown = [c for c in data.class_names if c not in index]
     present = set(np.unique(data.labels).tolist())
-    unknown = [c for i, c in enumerate(data.class_names) if c in unknown and i in present]
+    # Classes the model lacks are an error only if the data actually has frames of them.
+    unknown = [c for i, c in enumerate(data.class_names) if c not in index and i in present]
     if unknown:
         raise DataError(
             f"data has classes the model does not know: {', '.join(unknown)}"
@@ -180,9 +183,7 @@ def evaluate(
     pred = predict_scores(clf, frames).argmax(axis=1)
     hits = pred == labels
     per_class = {
-        clf.class_names[c]: float(hits[labels == c].mean())
-        for c in np.unique(labels)
-        if c >= 0
+        clf.class_names[c]: float(hits[labels == c].mean()) for c in np.unique(labels) if c >= 0
     }
     return EvalResult(
         model=clf.name,
@@ -194,7 +195,9 @@ def evaluate(
     )
 
 
-def accuracy(clf: Classifier, data: FrameSet, *, drift: Sequence[Drift] = (), seed: int = 0) -> float:
+def accuracy(
+    clf: Classifier, data: FrameSet, *, drift: Sequence[Drift] = (), seed: int = 0
+) -> float:
     return evaluate(clf, data, drift=drift, seed=seed).accuracy
 
 

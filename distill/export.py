@@ -146,7 +146,9 @@ def _torch_export(model: nn.Module, path: Path, frame_size: int, opset: int) -> 
         # The TorchScript exporter is deprecated in favour of the dynamo one, which
         # needs onnxscript; these two notices are about that and nothing else.
         warnings.filterwarnings(
-            "ignore", message=r".*legacy TorchScript-based ONNX export.*", category=DeprecationWarning
+            "ignore",
+            message=r".*legacy TorchScript-based ONNX export.*",
+            category=DeprecationWarning,
         )
         warnings.filterwarnings(
             "ignore", message=r"The feature will be removed.*", category=DeprecationWarning

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -321,16 +321,3 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def count_params(net: nn.Module) -> int:
-    return sum(p.numel() for p in net.parameters())
-
-
-def describe_layers(profile: Mapping[str, Any]) -> Sequence[str]:
-    """One line per conv/linear layer of a ``model_profile`` result (for logs)."""
-    return [
-        f"{layer['layer']:<16} {layer['type']:<7} out={layer['output']} "
-        f"params={layer['params']:,} MACs={layer['macs']:,}"
-        for layer in profile["layers"]
-    ]

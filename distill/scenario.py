@@ -167,7 +167,9 @@ def conveyor_background(rng: np.random.Generator, size: int) -> np.ndarray:
     return base[None, None, :] * shade[..., None] + grain
 
 
-def alternate_background(rng: np.random.Generator, size: int) -> np.ndarray:
+def alternate_background(
+    rng: np.random.Generator, size: int, *, tread: float = 0.35, scuff_opacity: float = 0.85
+) -> np.ndarray:
     """A different belt: high-contrast diagonal tread plus dark, stroke-like scuffs.
 
     The scuffs are about as dark as ink but thinner than a digit stroke, so a model
@@ -180,8 +182,8 @@ def alternate_background(rng: np.random.Generator, size: int) -> np.ndarray:
     angle = rng.uniform(math.radians(25), math.radians(65)) * rng.choice([-1.0, 1.0])
     period = rng.uniform(6.0, 10.0) * k
     u = xx * math.cos(angle) + yy * math.sin(angle)
-    tread = 1.0 + 0.35 * np.sign(np.sin(2.0 * math.pi * u / period))
-    bg = base[None, None, :] * (tread * (1.0 + 0.1 * _smooth_noise(rng, size, 4)))[..., None]
+    pattern = 1.0 + tread * np.sign(np.sin(2.0 * math.pi * u / period))
+    bg = base[None, None, :] * (pattern * (1.0 + 0.1 * _smooth_noise(rng, size, 4)))[..., None]
     scuffs = np.zeros((size, size), dtype=np.float32)
     for _ in range(int(rng.integers(4, 8))):
         x0, y0 = rng.uniform(0, size, 2)
@@ -194,7 +196,7 @@ def alternate_background(rng: np.random.Generator, size: int) -> np.ndarray:
         dist = np.hypot(xx - (x0 + t * dx), yy - (y0 + t * dy))
         scuffs = np.maximum(scuffs, np.clip(1.0 + width / 2 - dist, 0.0, 1.0))
     dark = _hsv(rng.uniform(0.0, 1.0), 0.2, rng.uniform(0.05, 0.2))
-    scuffs = scuffs[..., None] * 0.85
+    scuffs = scuffs[..., None] * scuff_opacity
     grain = rng.normal(0.0, 3.0, (size, size, 1)).astype(np.float32)
     return bg * (1.0 - scuffs) + dark * scuffs + grain
 

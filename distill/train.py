@@ -16,8 +16,11 @@ torch's CPU kernels are deterministic at a fixed thread count.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -92,7 +95,7 @@ class TrainConfig:
     def for_role(cls, role: Role, **overrides: Any) -> TrainConfig:
         """The reference knobs for a role; the teacher trains longer, on drifted frames."""
         if role == "teacher":
-            base = cls(role="teacher", epochs=18, lr=2e-3, augment_drift=True)
+            base = cls(role="teacher", epochs=16, lr=2e-3, augment_drift=True)
         else:
             base = cls(role="student", epochs=15, lr=3e-3)
         return replace(base, **overrides)
@@ -135,14 +138,14 @@ def distillation_loss(
     if teacher_probs is None:
         return ce
     t = temperature
-    kl = F.kl_div(
-        F.log_softmax(logits / t, dim=1), soften(teacher_probs, t), reduction="batchmean"
-    )
+    kl = F.kl_div(F.log_softmax(logits / t, dim=1), soften(teacher_probs, t), reduction="batchmean")
     return alpha * t * t * kl + (1.0 - alpha) * ce
 
 
 @torch.inference_mode()
-def evaluate_net(net: nn.Module, frames: np.ndarray, labels: np.ndarray, batch_size: int = 256) -> float:
+def evaluate_net(
+    net: nn.Module, frames: np.ndarray, labels: np.ndarray, batch_size: int = 256
+) -> float:
     """Top-1 accuracy of a network on uint8 NHWC frames."""
     was_training = net.training
     net.eval()
@@ -164,6 +167,50 @@ def _augment(
             seed = [int(x) for x in rng.integers(0, 2**31, size=2)]
             out[i] = apply_drift_frame(frames[i], spec, seed, None if masks is None else masks[i])
     return out
+
+
+@contextlib.contextmanager
+def _no_pool() -> Iterator[None]:
+    yield None
+
+
+class _Batches:
+    """Shuffled ``(index, uint8 frames)`` batches of a frame set, one epoch at a time.
+
+    Drift augmentation is CPU work in numpy, scipy and Pillow, which release the GIL
+    for much of it, so it runs one batch ahead in a worker thread while torch
+    computes. Every batch draws from its own generator (seed, epoch, step), so the
+    result does not depend on thread timing.
+    """
+
+    def __init__(self, data: FrameSet, cfg: TrainConfig, pool: ThreadPoolExecutor | None) -> None:
+        self.data, self.cfg, self.pool = data, cfg, pool
+
+    def __len__(self) -> int:
+        return (len(self.data) + self.cfg.batch_size - 1) // self.cfg.batch_size
+
+    def _make(self, epoch: int, step: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        frames = self.data.frames[idx]
+        if self.cfg.augment_drift:
+            masks = None if self.data.masks is None else self.data.masks[idx]
+            rng = np.random.default_rng([self.cfg.seed, epoch, step])
+            frames = _augment(frames, masks, rng, self.cfg.p_clean)
+        return idx, frames
+
+    def epoch(self, epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.data))
+        bs = self.cfg.batch_size
+        chunks = [np.sort(order[i : i + bs]) for i in range(0, len(order), bs)]
+        if self.pool is None:
+            for step, idx in enumerate(chunks):
+                yield self._make(epoch, step, idx)
+            return
+        pending = self.pool.submit(self._make, epoch, 0, chunks[0])
+        for step in range(len(chunks)):
+            ready = pending.result()
+            if step + 1 < len(chunks):
+                pending = self.pool.submit(self._make, epoch, step + 1, chunks[step + 1])
+            yield ready
 
 
 def _progress(enabled: bool, console: Console | None) -> Progress:
@@ -195,8 +242,17 @@ def train(
     version: str = "0",
     progress: bool = True,
     console: Console | None = None,
+    init_state: Mapping[str, torch.Tensor] | None = None,
+    on_step: Callable[[int, int], None] | None = None,
+    patience: int | None = None,
 ) -> TrainResult:
-    """Train one model on ``train_set``; keep the weights that score best on ``val_set``."""
+    """Train one model on ``train_set``; keep the weights that score best on ``val_set``.
+
+    ``init_state`` warm-starts from existing weights (a state dict of the same
+    architecture); ``on_step(step, total_steps)`` is called after every optimizer step
+    (a distill job checks for cancel there: it may raise to stop training);
+    ``patience`` stops early after that many epochs without a better validation score.
+    """
     started = time.perf_counter()
     cfg = config
 
@@ -212,10 +268,8 @@ def train(
             f"teacher scores must be [{len(train_set)}, {train_set.num_classes}],"
             f" got {soft_targets.shape}"
         )
-    x_train = train_set.frames  # uint8 [N, H, W, 3]
     y_train = torch.tensor(train_set.labels, dtype=torch.int64)
     teacher = None if soft_targets is None else torch.from_numpy(soft_targets.astype(np.float32))
-    rng = np.random.default_rng([cfg.seed, 31337])
     torch.manual_seed(cfg.seed)
     # Validation under drift: one fixed random mix, so scores compare across epochs.
     val_drifted = None
@@ -224,9 +278,17 @@ def train(
         val_drifted = _augment(val_set.frames, val_set.masks, val_rng, p_clean=0.0)
 
     # -- model -------------------------------------------------------------------
+    # channels_last: oneDNN's CPU convolutions train ~20% faster in NHWC memory order.
+    # (torch's stubs omit Module.to's memory_format keyword, hence the ignore.)
     net = build_model(cfg.arch, train_set.num_classes, cfg.width)
+    if init_state is not None:
+        try:
+            net.load_state_dict(dict(init_state))
+        except RuntimeError as exc:
+            raise ModelError(f"cannot warm-start {cfg.arch} from the given weights: {exc}") from exc
+    net = net.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     optimizer = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps_per_epoch = (len(x_train) + cfg.batch_size - 1) // cfg.batch_size
+    steps_per_epoch = (len(train_set) + cfg.batch_size - 1) // cfg.batch_size
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=cfg.lr, total_steps=cfg.epochs * steps_per_epoch, pct_start=0.15
     )
@@ -244,19 +306,22 @@ def train(
     )
 
     # -- loop --------------------------------------------------------------------
-    with torch_threads(cfg.threads), _progress(progress, console) as bar:
+    with (
+        torch_threads(cfg.threads),
+        ThreadPoolExecutor(1, thread_name_prefix="augment")
+        if cfg.augment_drift
+        else _no_pool() as pool,
+        _progress(progress, console) as bar,
+    ):
+        batches = _Batches(train_set, cfg, pool)
+        step = 0
         task = bar.add_task(f"train {cfg.role}", total=cfg.epochs * steps_per_epoch, status="")
         for epoch in range(1, cfg.epochs + 1):
             net.train()
-            order = rng.permutation(len(x_train))
             seen, loss_sum = 0, 0.0
-            for step in range(steps_per_epoch):
-                idx = np.sort(order[step * cfg.batch_size : (step + 1) * cfg.batch_size])
-                frames = x_train[idx]  # uint8 [B, H, W, 3]
-                if cfg.augment_drift:
-                    masks = None if train_set.masks is None else train_set.masks[idx]
-                    frames = _augment(frames, masks, rng, cfg.p_clean)
-                x = frames_to_input(frames)  # float [B, 3, H, W]
+            for idx, frames in batches.epoch(epoch):  # frames: uint8 [B, H, W, 3]
+                # float [B, 3, H, W], NHWC in memory
+                x = frames_to_input(frames).contiguous(memory_format=torch.channels_last)
                 y = y_train[idx]  # [B]
 
                 logits = net(x)  # [B, classes]
@@ -276,6 +341,9 @@ def train(
                 seen += len(idx)
                 loss_sum += loss.item() * len(idx)
                 bar.update(task, advance=1, status=f"epoch {epoch} loss {loss_sum / seen:.3f}")
+                step += 1
+                if on_step is not None:
+                    on_step(step, cfg.epochs * steps_per_epoch)
 
             # evaluate
             record = {"epoch": float(epoch), "loss": loss_sum / seen}
@@ -292,14 +360,17 @@ def train(
                 status=" ".join(f"{k} {v:.3f}" for k, v in record.items() if k != "epoch"),
             )
 
-            # checkpoint
-            if score > best_score:
+            # checkpoint (on a tie the later, further-annealed weights win)
+            if score >= best_score:
                 best_score, best_epoch = score, epoch
                 best_state = copy.deepcopy(net.state_dict())
                 if checkpoint is not None:
                     save_checkpoint(checkpoint, net, meta)
+            elif patience is not None and epoch - best_epoch >= patience:
+                break  # early stopping: no better validation score for `patience` epochs
 
     net.load_state_dict(best_state)
+    net = net.to(memory_format=torch.contiguous_format)
     net.eval()
     wall = time.perf_counter() - started
     best = history[best_epoch - 1]

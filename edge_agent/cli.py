@@ -191,6 +191,12 @@ def enroll_command(
         "cloud_url",
     )
     values = {key: answer.get(key) for key in fields}
+    if answer.get("mqtt_ca_pem"):
+        # The broker's CA beside the config: the agent verifies the broker with it.
+        ca_path = path.with_name("broker-ca.crt")
+        ca_path.parent.mkdir(parents=True, exist_ok=True)
+        ca_path.write_text(answer["mqtt_ca_pem"])
+        values["mqtt_ca_file"] = str(ca_path)
     if model_path is not None:
         values["model_path"] = str(model_path)
     write_config(path, values, keep=keep)

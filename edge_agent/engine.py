@@ -62,6 +62,8 @@ class EngineOptions:
     trt_cache_dir: Path | None = None
     trt_fp16: bool = True
     trt_int8: bool = False
+    # Batch sizes the TensorRT profile must cover; empty: 1 .. warmup_batch.
+    trt_batch_sizes: tuple[int, ...] = ()
     warmup_runs: int = 3
     warmup_batch: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
@@ -112,6 +114,7 @@ class OrtEngine:
                     "trt_fp16_enable": self.options.trt_fp16,
                     "trt_int8_enable": self.options.trt_int8,
                 }
+                trt.update(self._trt_profiles())
                 if self.options.trt_cache_dir is not None:
                     # Building a TensorRT engine takes minutes on a Jetson: cache it on disk.
                     self.options.trt_cache_dir.mkdir(parents=True, exist_ok=True)
@@ -123,6 +126,18 @@ class OrtEngine:
             else:
                 result.append(name)
         return result
+
+    def _trt_profiles(self) -> dict[str, Any]:
+        """TensorRT profile shapes from the dynamic axes and batch sizes (empty if none)."""
+        from kernels.tensorrt import tensorrt_provider_options
+
+        sizes = self.options.trt_batch_sizes or (1, max(1, self.options.warmup_batch))
+        try:
+            derived = tensorrt_provider_options(self.path, sizes)
+        except (ValueError, OSError) as exc:  # ORT then builds profiles on the fly
+            log.warning("no TensorRT profile for %s: %s", self.path, exc)
+            return {}
+        return {k: v for k, v in derived.items() if k.startswith("trt_profile_")}
 
     def _build(self, providers: list[str]) -> Any:
         try:

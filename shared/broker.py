@@ -41,8 +41,10 @@ class EmbeddedBroker:
         self._broker: Any = None
         self._started = threading.Event()
         self._error: BaseException | None = None
-        # amqtt logs every refused v5 CONNECT (our protocol probe) as an error.
+        # amqtt logs every refused v5 CONNECT (our protocol probe) as an error, and
+        # its state machine library logs each session transition at INFO.
         logging.getLogger("amqtt").setLevel(logging.CRITICAL)
+        logging.getLogger("transitions").setLevel(logging.WARNING)
 
     @property
     def url(self) -> str:

@@ -39,10 +39,16 @@ class MqttTarget:
     tls: bool = False
     username: str | None = None
     password: str | None = None
+    ca_file: str | None = None  # CA bundle for mqtts://; the system's CAs when None
 
     @classmethod
     def parse(
-        cls, url: str, *, username: str | None = None, password: str | None = None
+        cls,
+        url: str,
+        *,
+        username: str | None = None,
+        password: str | None = None,
+        ca_file: str | None = None,
     ) -> MqttTarget:
         """Parse a broker URL; explicit credentials win over ones in the URL."""
         parts = urlsplit(url)
@@ -63,6 +69,7 @@ class MqttTarget:
             tls=parts.scheme == "mqtts",
             username=username or (unquote(parts.username) if parts.username else None),
             password=password or (unquote(parts.password) if parts.password else None),
+            ca_file=ca_file,
         )
 
     @property
@@ -119,7 +126,7 @@ def make_client(
     if target.username is not None:
         client.username_pw_set(target.username, target.password)
     if target.tls:
-        context = ssl.create_default_context(cafile=ca_file)
+        context = ssl.create_default_context(cafile=ca_file or target.ca_file)
         client.tls_set_context(context)
     return client
 

@@ -144,7 +144,12 @@ class EdgeLoopSettings(BaseSettings):
     @property
     def mqtt(self) -> MqttTarget:
         password = self.mqtt_password.get_secret_value() if self.mqtt_password else None
-        return MqttTarget.parse(self.mqtt_url, username=self.mqtt_username, password=password)
+        return MqttTarget.parse(
+            self.mqtt_url,
+            username=self.mqtt_username,
+            password=password,
+            ca_file=str(self.mqtt_ca_file) if self.mqtt_ca_file else None,
+        )
 
     @property
     def topics(self) -> Topics:

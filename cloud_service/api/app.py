@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from cloud_service.announce import Announcer
 from cloud_service.api.routes import enrollment, fleet, health, models, v2
+from cloud_service.api.routes import jobs as jobs_routes
 from cloud_service.api.state import ApiState, load_signing_key
 from cloud_service.blobs import BlobStore, LocalBlobStore
 from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
@@ -109,7 +110,14 @@ def create_app(
             from cloud_service.rollout import RolloutLoop
 
             loop = RolloutLoop(state, settings.rollout_tick_s).start()
+        scheduler = None
+        if not health_only and settings.rollout_tick_s > 0:
+            from distill.schedules import SchedulerLoop
+
+            scheduler = SchedulerLoop(state.sessions, jobs_routes.SCHEDULER_TICK_S).start()
         yield
+        if scheduler is not None:
+            scheduler.stop()
         if loop is not None:
             loop.stop()
         if state.announcer is not None:
@@ -128,8 +136,27 @@ def create_app(
     routers = [health.router] if health_only else [health.router, enrollment.router]
     if not health_only:
         routers += [fleet.router, models.router, v2.router]
+        routers += [jobs_routes.router]
     for router in routers:
         app.include_router(router)
+    if not health_only:
+        from cloud_service.ui.routes import mount_ui
+
+        mount_ui(app)
+
+    from cloud_service.security import RateLimitMiddleware, SecurityHeadersMiddleware
+
+    burst = settings.rate_limit_burst
+    app.add_middleware(
+        RateLimitMiddleware,
+        limits={
+            "enroll": (settings.rate_limit_enroll_per_min, burst),
+            "login": (settings.rate_limit_login_per_min, burst),
+            "upload": (settings.rate_limit_upload_per_min, burst),
+        },
+        refused=state.metrics.rate_limited,
+    )
+    app.add_middleware(SecurityHeadersMiddleware)
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next):  # type: ignore[no-untyped-def]

@@ -59,6 +59,8 @@ class EnrollOut(BaseModel):
     fleet_public_key: str
     key_id: str
     api_token: str
+    # PEM of the CA that signed the broker's certificate, for mqtts:// (None: system CAs).
+    mqtt_ca_pem: str | None = None
 
 
 class AgentOut(BaseModel):

@@ -8,6 +8,7 @@ a batch and tells which rows were new.
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
@@ -18,6 +19,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from cloud_service.db.models import (
+    USER_ROLES,
     Agent,
     Base,
     DeadLetter,
@@ -25,18 +27,23 @@ from cloud_service.db.models import (
     Label,
     ModelStatusEvent,
     Sample,
+    User,
     Verdict,
 )
 from cloud_service.errors import AuthError, ConflictError, NotFoundError
+from cloud_service.ui.auth import MIN_PASSWORD_LENGTH, hash_password, verify_password
 from shared.errors import ContractError
 from shared.messages import AgentStatus, ModelStatus
 
 __all__ = [
     "add_label",
     "agent_for_api_token",
+    "authenticate_user",
     "create_enrollment_token",
+    "create_user",
     "enroll_agent",
     "get_sample",
+    "get_user",
     "get_verdicts",
     "hash_token",
     "insert_dead_letters",
@@ -45,10 +52,12 @@ __all__ = [
     "list_agents",
     "list_dead_letters",
     "list_samples",
+    "list_users",
     "list_verdicts",
     "pending_samples",
     "record_agent_status",
     "record_model_status",
+    "set_password",
     "stats",
 ]
 
@@ -378,3 +387,72 @@ def stats(*, session: Session) -> dict[str, Any]:
         "agents": int(agents),
         "agents_online": int(online),
     }
+
+
+# --- review UI users ---------------------------------------------------------
+
+_USERNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
+
+
+def _check_password(password: str) -> None:
+    if len(password) < MIN_PASSWORD_LENGTH:
+        raise ContractError(
+            f"a password needs at least {MIN_PASSWORD_LENGTH} characters", reason="weak_password"
+        )
+
+
+def create_user(*, session: Session, username: str, password: str, role: str) -> User:
+    """Add a review UI user; the username is unique, the role "admin" or "reviewer"."""
+    if not _USERNAME.match(username):
+        raise ContractError(
+            f"username {username!r} is not valid: letters, digits and _.@- (at most 64)",
+            reason="invalid_username",
+        )
+    if role not in USER_ROLES:
+        raise ContractError(
+            f"role {role!r} is not one of {list(USER_ROLES)}", reason="invalid_role"
+        )
+    _check_password(password)
+    if session.scalars(select(User).where(User.username == username)).first() is not None:
+        raise ConflictError(f"user {username} already exists")
+    user = User(
+        username=username,
+        password_hash=hash_password(password),
+        role=role,
+        disabled=False,
+        session_generation=0,
+    )
+    session.add(user)
+    session.flush()
+    return user
+
+
+def set_password(*, session: Session, username: str, password: str) -> User:
+    """Change a user's password; sessions signed before the change stop working."""
+    user = session.scalars(select(User).where(User.username == username)).first()
+    if user is None:
+        raise NotFoundError(f"user {username} does not exist")
+    _check_password(password)
+    user.password_hash = hash_password(password)
+    user.session_generation += 1
+    return user
+
+
+def list_users(*, session: Session) -> list[User]:
+    return list(session.scalars(select(User).order_by(User.username)).all())
+
+
+def get_user(*, session: Session, user_id: int) -> User | None:
+    return session.get(User, user_id)
+
+
+def authenticate_user(*, session: Session, username: str, password: str) -> User | None:
+    """The enabled user with this username and password, else None."""
+    user = session.scalars(select(User).where(User.username == username)).first()
+    if user is None:
+        hash_password(password)  # spend the same time, so timing does not reveal names
+        return None
+    if user.disabled or not verify_password(password, user.password_hash):
+        return None
+    user.last_login_at = datetime.now(UTC)
+    return user

@@ -42,6 +42,7 @@ __all__ = [
     "RolloutEvent",
     "Sample",
     "SampleStatus",
+    "User",
     "UtcDateTime",
     "Verdict",
 ]
@@ -118,6 +119,8 @@ class Sample(Base):
     __table_args__ = (
         Index("ix_samples_agent_captured", "agent_id", "captured_at"),
         Index("ix_samples_status_received", "status", "received_at"),
+        # The review queue (migration 0003_review_users): status first, newest first.
+        Index("ix_samples_status_captured", "status", "captured_at", "sample_id"),
     )
 
     sample_id: Mapped[str] = mapped_column(String(36), primary_key=True)
@@ -304,3 +307,24 @@ class ModelStatusEvent(Base):
     state: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     at: Mapped[datetime] = mapped_column()
+
+
+# --- review UI users (migration 0003_review_users) ----------------------------------
+
+USER_ROLES: tuple[str, ...] = ("admin", "reviewer")
+
+
+class User(Base):
+    """A person who signs in to the review UI; ``role`` is "admin" or "reviewer"."""
+
+    __tablename__ = "users"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    username: Mapped[str] = mapped_column(String(64), unique=True)
+    password_hash: Mapped[str] = mapped_column(String(256))
+    role: Mapped[str] = mapped_column(String(16), default="reviewer")
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Bumped on every password change: sessions signed before it stop working.
+    session_generation: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_login_at: Mapped[datetime | None] = mapped_column(nullable=True)

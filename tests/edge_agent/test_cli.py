@@ -20,6 +20,7 @@ from edge_agent.settings import AgentSettings
 from edge_agent.sources.http import ApiServer
 from shared.broker import free_port
 
+CA_PEM = "-----BEGIN CERTIFICATE-----\nMIIB(test)\n-----END CERTIFICATE-----\n"
 runner = CliRunner()
 PUBLIC_KEY = "MCowBQYDK2VwAyEAGb9ECWmEzf6FQbrBZ9w7lshQhqowtrbLDFw4rXAxZuE="
 
@@ -49,6 +50,7 @@ def fake_cloud() -> Iterator[str]:
                 "fleet_public_key": PUBLIC_KEY,
                 "key_id": "k1",
                 "api_token": "tok-123",
+                "mqtt_ca_pem": CA_PEM,
             }
         )
 
@@ -70,6 +72,9 @@ def test_enroll_writes_a_private_config_the_agent_loads(fake_cloud: str, tmp_pat
     assert settings.mqtt_password.get_secret_value() == 's3cret"with quotes'
     assert settings.fleet_public_key == PUBLIC_KEY
     assert settings.cloud_url == fake_cloud
+    assert settings.mqtt_ca_file is not None
+    assert settings.mqtt_ca_file.read_text() == CA_PEM
+    assert settings.mqtt.ca_file == str(settings.mqtt_ca_file)
 
     again = runner.invoke(
         app, ["enroll", "--cloud", fake_cloud, "--token", "good", "--config", str(config)]

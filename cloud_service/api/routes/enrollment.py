@@ -28,16 +28,25 @@ def enroll(
     agent, api_token = crud.enroll_agent(session=session, token=body.token, agent_id=body.agent_id)
     target = settings.mqtt
     key = state.signing_key
+    username, password = target.username, target.password
+    if settings.broker_auth:
+        # Each agent its own broker user, whose ACL confines it to its own topics.
+        # Written before the response: a failure here rolls the enrollment back.
+        from cloud_service.brokerconf import BrokerFiles, add_agent
+
+        folder = settings.resolved_broker_config_dir
+        files = BrokerFiles(folder / "passwd", folder / "acl", folder / "mosquitto.pid")
+        username, password = add_agent(files, agent.fleet, agent.agent_id, settings.topics)
     return EnrollOut(
         agent_id=agent.agent_id,
         fleet=agent.fleet,
         mqtt_url=settings.resolved_agent_mqtt_url,
-        # Per-agent broker credentials come with broker ACLs (a later issue); until
-        # then agents get the connection's own (None on an anonymous broker).
-        mqtt_username=target.username,
-        mqtt_password=target.password,
+        # Without broker_auth agents get the connection's own (None when anonymous).
+        mqtt_username=username,
+        mqtt_password=password,
         topic_prefix=settings.topic_prefix,
         fleet_public_key=key.public_key_b64,
         key_id=key.key_id,
         api_token=api_token,
+        mqtt_ca_pem=settings.mqtt_ca_file.read_text() if settings.mqtt_ca_file else None,
     )
