@@ -2,7 +2,7 @@
 
 A uvicorn server runs the app in a thread on a free loopback port over a seeded
 SQLite database. Screenshots go to $EDGELOOP_TEST_ARTIFACTS (else the test's temp
-folder) and are copied to docs/screenshots/ so they can be shown.
+folder); with EDGELOOP_UPDATE_SCREENSHOTS=1 they are also copied to docs/screenshots/.
 """
 
 from __future__ import annotations
@@ -131,9 +131,12 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "c
 def shot(driver: Any, site: Site, name: str) -> None:
     path = site.artifacts / f"{name}.png"
     driver.save_screenshot(str(path))
-    docs = REPO / "docs" / "screenshots"
-    docs.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(path, docs / f"{name}.png")
+    # Refreshing the README's screenshots is a deliberate act, not a side effect
+    # of every test run: EDGELOOP_UPDATE_SCREENSHOTS=1 copies them to docs/.
+    if os.environ.get("EDGELOOP_UPDATE_SCREENSHOTS") == "1":
+        docs = REPO / "docs" / "screenshots"
+        docs.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, docs / f"{name}.png")
 
 
 def sign_in(driver: Any, site: Site, username: str) -> None:
