@@ -32,7 +32,7 @@ from cloud_service.db.models import (
 )
 from cloud_service.errors import AuthError, ConflictError, NotFoundError
 from cloud_service.ui.auth import MIN_PASSWORD_LENGTH, hash_password, verify_password
-from shared.errors import ContractError
+from shared.errors import ContractError, StoreError
 from shared.messages import AgentStatus, ModelStatus
 
 __all__ = [
@@ -74,7 +74,7 @@ def _insert_ignore(session: Session, model: type[Base], key: str) -> Any:
         return postgresql.insert(model).on_conflict_do_nothing(index_elements=[key])
     if dialect == "sqlite":
         return sqlite.insert(model).on_conflict_do_nothing(index_elements=[key])
-    raise NotImplementedError(f"database {dialect!r} is not supported (SQLite, PostgreSQL)")
+    raise StoreError(f"database {dialect!r} is not supported: use SQLite or PostgreSQL")
 
 
 def _chunks(rows: Sequence[dict[str, Any]], size: int = 500) -> Iterable[Sequence[dict[str, Any]]]:
