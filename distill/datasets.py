@@ -39,7 +39,6 @@ __all__ = [
     "folder_split_of",
     "load_data",
     "load_image_folder",
-    "resize_frames",
     "write_image_folder",
 ]
 
@@ -153,18 +152,6 @@ def load_image_folder(root: Path, *, frame_size: int, split: str = "all") -> Loa
         split=split,
         skipped=tuple(skipped),
     )
-
-
-def resize_frames(frames: np.ndarray, size: int) -> np.ndarray:
-    """uint8 NHWC frames resized to ``size`` x ``size`` (bilinear)."""
-    if frames.shape[1] == size and frames.shape[2] == size:
-        return frames
-    out = np.empty((len(frames), size, size, 3), dtype=np.uint8)
-    for i, f in enumerate(frames):
-        out[i] = np.asarray(
-            Image.fromarray(f).resize((size, size), Image.Resampling.BILINEAR), dtype=np.uint8
-        )
-    return out
 
 
 def load_data(

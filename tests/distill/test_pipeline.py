@@ -190,6 +190,10 @@ QUICK_PARAMS = {
     "drift_eval": "blur:1,noise:0.5",
     "drift_eval_frames": 100,
     "max_reference_drop": 0.05,
+    # The quick student on a holdout of a few dozen frames: one frame moves INT8 vs
+    # FP32 by 2-3 points, so the production bound (0.02) would make this test flaky.
+    # test_gate_refuses_a_worse_model covers the bound itself.
+    "int8_tolerance": 0.05,
 }
 
 
