@@ -177,8 +177,9 @@ def run_demo(
     threshold: float,
     quick: bool,
     as_json: bool,
+    cache_dir: Path | None = None,
 ) -> DemoReport:
-    """Run the demo loop and print its summary."""
+    """Run the demo loop and print its summary; models come from ``cache_dir`` (trained once)."""
     from distill.cache import bootstrap_reference_models, default_cache_dir
     from distill.drift import DriftSchedule, FrameStream, parse_drift_spec
     from distill.scenario import ScenarioConfig, render_split
@@ -186,7 +187,7 @@ def run_demo(
     console = Console(stderr=as_json)
     spec = parse_drift_spec(drift)
     console.print("[bold]EdgeLoop demo[/]: reference models (trained once, then cached)")
-    models = bootstrap_reference_models(default_cache_dir(), quick=quick)
+    models = bootstrap_reference_models(cache_dir or default_cache_dir(), quick=quick)
     pool = render_split("stream", ScenarioConfig())
     half = frames // 2
     stream = FrameStream(

@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,6 +91,22 @@ def _slug(nodeid: str) -> str:
 def topics(request: pytest.FixtureRequest) -> Topics:
     """A topic namespace unique to this test (and this run)."""
     return Topics(prefix=f"edgeloop-test/{_slug(request.node.nodeid)}-{uuid.uuid4().hex[:6]}/v1")
+
+
+# --- reference models ---------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("model-cache")
+
+
+@pytest.fixture(scope="session")
+def quick_models(model_cache: Path) -> Any:
+    """The quick reference teacher/student (about 20 s to train on two cores), once a run."""
+    from distill.cache import bootstrap_reference_models
+
+    return bootstrap_reference_models(model_cache, quick=True)
 
 
 # --- databases ---------------------------------------------------------------

@@ -1,25 +1,12 @@
-"""Fixtures for distill tests: the quick reference pair, trained once per session."""
+"""Fixtures for distill tests; the quick reference pair is in tests/conftest.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from distill.cache import ReferenceConfig, ReferenceModels, bootstrap_reference_models
+from distill.cache import ReferenceConfig
 from distill.frames import FrameSet
 from distill.scenario import ScenarioConfig, render_split
-
-
-@pytest.fixture(scope="session")
-def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("model-cache")
-
-
-@pytest.fixture(scope="session")
-def quick_models(model_cache: Path) -> ReferenceModels:
-    """The quick reference teacher/student (about 20 s to train on two cores)."""
-    return bootstrap_reference_models(model_cache, quick=True)
 
 
 @pytest.fixture(scope="session")
