@@ -13,16 +13,17 @@ from shared.broker import EmbeddedBroker
 from shared.console import (
     ConfigOption,
     JsonOption,
+    add_settings_command,
     console,
     fail,
     load_settings,
     print_json,
-    settings_view,
 )
 from shared.errors import EdgeLoopError
 from shared.manifest import FleetSigningKey
 
 app = typer.Typer(help="EdgeLoop cloud service: ingest, verifier, API.", no_args_is_help=True)
+add_settings_command(app, CloudSettings)
 keys_app = typer.Typer(help="The fleet's model-signing key.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 tokens_app = typer.Typer(help="One-time agent enrollment tokens.", no_args_is_help=True)
@@ -209,17 +210,6 @@ def list_users_command(config: Path | None = ConfigOption, as_json: bool = JsonO
         return
     for row in rows:
         typer.echo(f"{row['username']:<24} {row['role']:<9} last sign-in {row['last_login_at']}")
-
-
-@app.command("settings")
-def show_settings(config: Path | None = ConfigOption, as_json: bool = JsonOption) -> None:
-    """Print the effective settings (file + environment), secrets redacted."""
-    view = settings_view(load_settings(CloudSettings, config))
-    if as_json:
-        print_json(view)
-        return
-    for key in sorted(view):
-        typer.echo(f"{key} = {view[key]}")
 
 
 @app.command("broker")

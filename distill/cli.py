@@ -10,13 +10,20 @@ from distill.cli_engine import register_engine_command
 from distill.cli_jobs import jobs_app
 from distill.cli_models import models_app
 from distill.cli_registry import register_commands
-from shared.console import ConfigOption, JsonOption, load_settings, print_json, settings_view
+from shared.console import (
+    ConfigOption,
+    JsonOption,
+    add_settings_command,
+    load_settings,
+    print_json,
+)
 from shared.settings import EdgeLoopSettings
 
 app = typer.Typer(
     help="EdgeLoop: edge-cloud hybrid inference that gets better on its own.",
     no_args_is_help=True,
 )
+add_settings_command(app, EdgeLoopSettings)
 register_commands(models_app)
 register_engine_command(models_app)
 app.add_typer(models_app, name="models")
@@ -80,17 +87,6 @@ def closed_loop(
     )
     if as_json:
         print_json(result)
-
-
-@app.command("settings")
-def show_settings(config: Path | None = ConfigOption, as_json: bool = JsonOption) -> None:
-    """Print the effective shared settings, secrets redacted."""
-    view = settings_view(load_settings(EdgeLoopSettings, config))
-    if as_json:
-        print_json(view)
-        return
-    for key in sorted(view):
-        typer.echo(f"{key} = {view[key]}")
 
 
 if __name__ == "__main__":

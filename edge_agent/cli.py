@@ -12,26 +12,22 @@ from typing import Any
 import typer
 
 from edge_agent.settings import AgentSettings
-from shared.console import ConfigOption, JsonOption, fail, load_settings, print_json, settings_view
+from shared.console import (
+    ConfigOption,
+    JsonOption,
+    add_settings_command,
+    fail,
+    load_settings,
+    print_json,
+)
 from shared.errors import EdgeLoopError
 
 app = typer.Typer(
     help="EdgeLoop edge agent: quantized student on camera frames.", no_args_is_help=True
 )
+add_settings_command(app, AgentSettings)
 
 DEFAULT_CONFIG = Path("~/.config/edgeloop/agent.toml")
-
-
-@app.command("settings")
-def show_settings(config: Path | None = ConfigOption, as_json: bool = JsonOption) -> None:
-    """Print the effective settings (file + environment), secrets redacted."""
-    settings = load_settings(AgentSettings, config)
-    view = settings_view(settings)
-    if as_json:
-        print_json(view)
-        return
-    for key in sorted(view):
-        typer.echo(f"{key} = {view[key]}")
 
 
 @app.command("run")

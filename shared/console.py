@@ -14,7 +14,15 @@ from rich.logging import RichHandler
 from shared.errors import EdgeLoopError
 from shared.settings import EdgeLoopSettings
 
-__all__ = ["ConfigOption", "JsonOption", "console", "fail", "load_settings", "print_json"]
+__all__ = [
+    "ConfigOption",
+    "JsonOption",
+    "add_settings_command",
+    "console",
+    "fail",
+    "load_settings",
+    "print_json",
+]
 
 S = TypeVar("S", bound=EdgeLoopSettings)
 
@@ -60,3 +68,18 @@ def settings_view(settings: EdgeLoopSettings) -> dict[str, Any]:
             data[key] = "***"
     data["database_url"] = settings.resolved_database_url
     return data
+
+
+def add_settings_command(app: typer.Typer, cls: type[EdgeLoopSettings]) -> None:
+    """Give ``app`` a ``settings`` command printing ``cls``'s effective values."""
+
+    def show_settings(config: Path | None = ConfigOption, as_json: bool = JsonOption) -> None:
+        """Print the effective settings (file + environment), secrets redacted."""
+        view = settings_view(load_settings(cls, config))
+        if as_json:
+            print_json(view)
+            return
+        for key in sorted(view):
+            typer.echo(f"{key} = {view[key]}")
+
+    app.command("settings")(show_settings)
