@@ -300,7 +300,7 @@ def test_schedule_run_and_watch_a_job(browser: Any, site: Site) -> None:
     driver.find_element(By.ID, "run-job").click()
     wait_for(lambda: "/ui/jobs/" in driver.current_url, what="the job page")
     job_id = int(driver.current_url.rsplit("/", 1)[1])
-    assert driver.find_element(By.ID, "job-state").text == "queued"
+    wait_for(lambda: driver.find_element(By.ID, "job-state").text == "queued", what="queued")
 
     # A worker takes the job and reports progress; the page follows without reloading.
     with site.state.sessions.begin() as session:
@@ -314,7 +314,7 @@ def test_schedule_run_and_watch_a_job(browser: Any, site: Site) -> None:
         jobs.append_log(session=session, job_id=job_id, message="epoch 1/3 loss 0.731")
     wait_for(lambda: driver.find_element(By.ID, "job-percent").text == "42%", what="live progress")
     wait_for(lambda: "epoch 1/3" in driver.find_element(By.ID, "job-log").text, what="the log")
-    assert driver.find_element(By.ID, "job-phase").text == "train"
+    wait_for(lambda: driver.find_element(By.ID, "job-phase").text == "train", what="the phase")
     shot(driver, site, "job")
     driver.find_element(By.ID, "cancel-job").click()
     wait_for(
