@@ -31,7 +31,7 @@ from cloud_service.db.models import (
     Verdict,
 )
 from cloud_service.errors import AuthError, ConflictError, NotFoundError
-from cloud_service.ui.auth import MIN_PASSWORD_LENGTH, hash_password, verify_password
+from cloud_service.passwords import MIN_PASSWORD_LENGTH, hash_password, verify_password
 from shared.errors import ContractError, StoreError
 from shared.messages import AgentStatus, ModelStatus
 

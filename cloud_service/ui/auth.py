@@ -1,7 +1,6 @@
 """Passwords, signed session cookies and CSRF tokens of the review UI (stdlib only).
 
-- Passwords: scrypt (n=2**14, r=8, p=1, 16-byte salt), stored as
-  ``scrypt$n$r$p$salt$hash`` so the cost can rise later without a migration.
+- Passwords: ``cloud_service.passwords`` (scrypt), re-exported here.
 - Sessions: ``base64url(json).base64url(hmac_sha256)`` keyed by a key derived from
   ``settings.session_secret``; the payload holds the user id, the user's session
   generation (a password change ends older sessions), issue and expiry times, and a
@@ -21,7 +20,10 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from cloud_service.passwords import MIN_PASSWORD_LENGTH, hash_password, verify_password
+
 __all__ = [
+    "MIN_PASSWORD_LENGTH",
     "SESSION_COOKIE",
     "SessionData",
     "SessionSigner",
@@ -31,8 +33,6 @@ __all__ = [
 
 SESSION_COOKIE = "edgeloop_session"
 LOGIN_CSRF_COOKIE = "edgeloop_login_csrf"
-_SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 2**14, 8, 1
-MIN_PASSWORD_LENGTH = 8
 
 
 def _b64(data: bytes) -> str:
@@ -41,35 +41,6 @@ def _b64(data: bytes) -> str:
 
 def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-
-
-def hash_password(password: str) -> str:
-    """A salted scrypt hash of ``password`` in a self-describing string."""
-    salt = secrets.token_bytes(16)
-    digest = hashlib.scrypt(
-        password.encode(), salt=salt, n=_SCRYPT_N, r=_SCRYPT_R, p=_SCRYPT_P, dklen=32
-    )
-    return f"scrypt${_SCRYPT_N}${_SCRYPT_R}${_SCRYPT_P}${_b64(salt)}${_b64(digest)}"
-
-
-def verify_password(password: str, stored: str) -> bool:
-    """Whether ``password`` matches ``stored`` (constant-time comparison)."""
-    try:
-        scheme, n, r, p, salt, digest = stored.split("$")
-        if scheme != "scrypt":
-            return False
-        expected = _unb64(digest)
-        actual = hashlib.scrypt(
-            password.encode(),
-            salt=_unb64(salt),
-            n=int(n),
-            r=int(r),
-            p=int(p),
-            dklen=len(expected),
-        )
-    except (ValueError, TypeError):
-        return False
-    return hmac.compare_digest(actual, expected)
 
 
 @dataclass(frozen=True)
