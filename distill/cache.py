@@ -34,10 +34,11 @@ from rich.console import Console
 from distill._io import atomic_write_json
 from distill.evaluate import OnnxClassifier, evaluate
 from distill.export import export_onnx
+from distill.frames import FrameSet
 from distill.models import ModelMeta, model_profile, save_checkpoint
 from distill.quantize import DEFAULT_SETTINGS, QuantSettings, quantize_onnx, select_settings
 from distill.scenario import DIGIT_CLASSES, ScenarioConfig, load_digit_sources, render_split
-from distill.train import TrainConfig, train
+from distill.train import TrainConfig, TrainResult, train
 from shared.errors import ModelError
 
 __all__ = [
@@ -215,6 +216,32 @@ def _read_metrics(entry: Path) -> dict[str, Any]:
     return dict(json.loads((entry / "metrics.json").read_text()))
 
 
+def _save_entry(
+    checkpoint: Path,
+    train_cfg: TrainConfig,
+    result: TrainResult,
+    train_set: FrameSet,
+    name: str,
+    version: str,
+    test_accuracy: float,
+    metrics: dict[str, Any],
+) -> None:
+    """Write a cache entry's checkpoint (with its metadata) and its metrics.json."""
+    meta = ModelMeta(
+        arch=train_cfg.arch,
+        num_classes=train_set.num_classes,
+        class_names=train_set.class_names,
+        frame_size=train_cfg.frame_size,
+        width=train_cfg.width,
+        name=name,
+        version=version,
+        train_config=train_cfg.cache_fields(),
+        metrics={"test_accuracy": test_accuracy, **result.metrics},
+    )
+    save_checkpoint(checkpoint, result.net, meta)
+    atomic_write_json(checkpoint.parent / "metrics.json", metrics)
+
+
 def _build_teacher(
     cfg: ReferenceConfig, key: str, out: Path, *, progress: bool, console: Console | None
 ) -> dict[str, Any]:
@@ -258,19 +285,9 @@ def _build_teacher(
         "test_frames": test.frames,
         "config": cfg.teacher.cache_fields(),
     }
-    meta = ModelMeta(
-        arch=cfg.teacher.arch,
-        num_classes=train_set.num_classes,
-        class_names=train_set.class_names,
-        frame_size=scenario.frame_size,
-        width=cfg.teacher.width,
-        name=name,
-        version=version,
-        train_config=cfg.teacher.cache_fields(),
-        metrics={"test_accuracy": test.accuracy, **result.metrics},
+    _save_entry(
+        out / "teacher.pt", cfg.teacher, result, train_set, name, version, test.accuracy, metrics
     )
-    save_checkpoint(out / "teacher.pt", result.net, meta)
-    atomic_write_json(out / "metrics.json", metrics)
     return metrics
 
 
@@ -355,19 +372,16 @@ def _build_student(
         "distilled_from": cfg.teacher_key() if cfg.distill_student else None,
         "config": cfg.student.cache_fields(),
     }
-    meta = ModelMeta(
-        arch=cfg.student.arch,
-        num_classes=train_set.num_classes,
-        class_names=train_set.class_names,
-        frame_size=scenario.frame_size,
-        width=cfg.student.width,
-        name=name,
-        version=version,
-        train_config=cfg.student.cache_fields(),
-        metrics={"test_accuracy": fp32_test.accuracy, **result.metrics},
+    _save_entry(
+        out / "student.pt",
+        cfg.student,
+        result,
+        train_set,
+        name,
+        version,
+        fp32_test.accuracy,
+        metrics,
     )
-    save_checkpoint(out / "student.pt", result.net, meta)
-    atomic_write_json(out / "metrics.json", metrics)
     return metrics
 
 
