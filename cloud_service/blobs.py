@@ -1,7 +1,9 @@
-"""Blob storage by key: a small interface, and a local-folder implementation.
+"""Blob storage by key: a small interface, a local-folder implementation, and the factory.
 
-An S3-compatible store implements the same four methods (put/get/exists/delete);
-keys are relative, slash-separated paths such as ``samples/{fleet}/{agent}/{id}.jpg``.
+Keys are relative, slash-separated paths such as ``samples/{fleet}/{agent}/{id}.jpg``.
+``open_blob_store(settings)`` builds the store the settings name: the local folder
+by default, an S3-compatible bucket (``cloud_service.blobs_s3``) when ``blob_url``
+is ``s3://bucket[/prefix]``.
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ import re
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from shared.errors import StoreError
 
-__all__ = ["BlobStore", "LocalBlobStore", "sample_image_key"]
+if TYPE_CHECKING:
+    from cloud_service.settings import CloudSettings
+
+__all__ = ["BlobStore", "LocalBlobStore", "check_blob_key", "open_blob_store", "sample_image_key"]
 
 
 def _load_syncfs() -> Callable[[int], int] | None:
@@ -59,7 +64,8 @@ def sample_image_key(fleet: str, agent: str, sample_id: str, image_format: str) 
     return f"samples/{fleet}/{agent}/{sample_id[:8]}/{sample_id}.{ext}"
 
 
-def _check_key(key: str) -> str:
+def check_blob_key(key: str) -> str:
+    """``key`` if it is a relative a/b/c.ext path of safe parts; StoreError otherwise."""
     if not _KEY_RE.fullmatch(key) or any(part in (".", "..") for part in key.split("/")):
         raise StoreError(f"blob key {key!r} is not valid: use relative a/b/c.ext paths")
     return key
@@ -74,7 +80,7 @@ class LocalBlobStore:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, key: str) -> Path:
-        return self.root / _check_key(key)
+        return self.root / check_blob_key(key)
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
@@ -130,3 +136,12 @@ class LocalBlobStore:
             self._path(key).unlink(missing_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot delete blob {key}: {exc.strerror or exc}") from exc
+
+
+def open_blob_store(settings: CloudSettings) -> BlobStore:
+    """The blob store the settings name: ``blob_url`` (s3://...) if set, else the local folder."""
+    if settings.blob_url is not None:
+        from cloud_service.blobs_s3 import S3BlobStore
+
+        return S3BlobStore.from_settings(settings)
+    return LocalBlobStore(settings.resolved_blob_dir, fsync=settings.blob_fsync)

@@ -75,6 +75,26 @@ class CloudSettings(EdgeLoopSettings):
 
     blob_dir: Path | None = Field(default=None, description="image store; data_dir/blobs if unset")
     blob_fsync: bool = Field(default=True, description="fsync each blob before acknowledging")
+    # An S3-compatible object store instead of the local folder (cloud_service/blobs_s3.py).
+    blob_url: str | None = Field(
+        default=None,
+        pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[A-Za-z0-9_./-]*)?$",
+        description="s3://bucket[/prefix] for an S3-compatible store; the local blob_dir if unset",
+    )
+    s3_endpoint_url: str | None = Field(
+        default=None, description="S3 endpoint (MinIO, Ceph, R2, ...); AWS's when unset"
+    )
+    s3_region: str | None = Field(default=None, description="S3 region; boto3's default if unset")
+    s3_access_key_id: str | None = Field(
+        default=None, description="S3 access key; boto3's credential chain (IAM role) when unset"
+    )
+    s3_secret_access_key: SecretStr | None = None
+    s3_addressing_style: Literal["auto", "path", "virtual"] = Field(
+        default="auto", description="bucket in the path (MinIO, most gateways) or the host name"
+    )
+    s3_max_concurrency: int = Field(
+        default=16, ge=1, le=256, description="parallel uploads of one ingest batch"
+    )
 
     teacher_model: Path | None = Field(
         default=None, description="teacher ONNX file; data_dir/models/teacher.onnx when unset"
@@ -87,6 +107,20 @@ class CloudSettings(EdgeLoopSettings):
         default=None, description="ONNX Runtime providers to try in order; best available if unset"
     )
     ort_intra_op_threads: int = Field(default=0, ge=0, description="0: ONNX Runtime decides")
+    ort_allow_spinning: bool = Field(
+        default=False,
+        description="let idle ONNX Runtime threads spin for work (faster hand-offs, busy cores)",
+    )
+    teacher_gpu_kernels: bool = Field(
+        default=True,
+        description="on CUDA, run the teacher's preprocessing and scoring as Triton kernels",
+    )
+    verifier_switch_interval_ms: float = Field(
+        default=0.5,
+        ge=0.0,
+        le=100.0,
+        description="CPython's thread switch interval while the verifier runs; 0: unchanged",
+    )
 
     # Dynamic batcher (the knobs Triton's dynamic_batching has).
     max_batch_size: int = Field(default=32, ge=1, le=4096)

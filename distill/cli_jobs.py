@@ -303,7 +303,7 @@ def worker(
     """Run a distill worker until SIGTERM/SIGINT (a running job is requeued on stop)."""
     from cloud_service.announce import MqttAnnouncer
     from cloud_service.api.state import load_signing_key
-    from cloud_service.blobs import LocalBlobStore
+    from cloud_service.blobs import open_blob_store
     from distill.cache import reference_model_path
     from distill.pipeline import PipelineServices, make_runner
     from distill.worker import DistillWorker
@@ -320,7 +320,7 @@ def worker(
     work_dir.mkdir(parents=True, exist_ok=True)
     services = PipelineServices(
         sessions=sessions,
-        blobs=LocalBlobStore(settings.resolved_blob_dir, fsync=settings.blob_fsync),
+        blobs=open_blob_store(settings),
         work_dir=work_dir,
         signing_key=load_signing_key(settings),
         announcer=MqttAnnouncer(settings.mqtt, client_id=f"{settings.announcer_client_id}-distill"),

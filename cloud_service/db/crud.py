@@ -140,14 +140,22 @@ def record_model_status(*, session: Session, status: ModelStatus) -> None:
         agent.model_version = status.model_version
 
 
-def pending_samples(*, session: Session, limit: int = 1000, after: str = "") -> list[Sample]:
-    """Stored samples still waiting for a verdict, in id (capture time) order."""
-    stmt = (
-        select(Sample)
-        .where(Sample.status == "pending", Sample.sample_id > after)
-        .order_by(Sample.sample_id)
-        .limit(limit)
-    )
+def pending_samples(
+    *,
+    session: Session,
+    limit: int = 1000,
+    after: str = "",
+    received_before: datetime | None = None,
+) -> list[Sample]:
+    """Stored samples still waiting for a verdict, in id (capture time) order.
+
+    ``received_before`` leaves out samples stored since then: with several verifiers,
+    a recent pending sample is most likely in another verifier's batch right now.
+    """
+    stmt = select(Sample).where(Sample.status == "pending", Sample.sample_id > after)
+    if received_before is not None:
+        stmt = stmt.where(Sample.received_at < received_before)
+    stmt = stmt.order_by(Sample.sample_id).limit(limit)
     return list(session.scalars(stmt).all())
 
 
