@@ -9,7 +9,11 @@ Three goals, each a ratio measured side by side in one run (medians of repeats):
 * end to end: samples/s from publish to stored verdict, through Mosquitto into
   PostgreSQL (SQLite when PostgreSQL is not reachable), against raw Mosquitto
   publish/subscribe of the same payloads; then p50/p99 capture-to-verdict latency
-  at half of the measured maximum rate.
+  at half of the measured maximum rate. Both sides use the same publisher client,
+  QoS 1, MQTT version and number of ~20 KB envelopes, and take turns (a pipeline
+  run, then a raw run, the verifier idle meanwhile), so a neighbour's load on this
+  shared machine hits them alike; this process's CPU time per sample is reported
+  beside each rate.
 
 The teacher is a seeded teacher-like model (``cloud_service.demo_teacher``: conv
 stem and 2048-wide dense layers, 64x64 input), so the figures do not depend on
@@ -143,8 +147,9 @@ def _publisher(protocol: Any) -> mqtt.Client:
     return client
 
 
-def _raw_pubsub(payloads: list[bytes], protocol: Any) -> float:
-    """Messages/s of plain QoS 1 publish -> subscribe of the same payloads."""
+def _raw_pubsub(payloads: list[bytes], protocol: Any) -> tuple[float, float]:
+    """Messages/s of plain QoS 1 publish -> subscribe of the same payloads, and this
+    process's CPU seconds per message meanwhile."""
     target = MqttTarget.parse(BROKER)
     topic = f"bench-raw/{uuid.uuid4().hex[:8]}/samples"
     got = threading.Event()
@@ -162,15 +167,17 @@ def _raw_pubsub(payloads: list[bytes], protocol: Any) -> float:
     sub.subscribe(topic, qos=1)
     time.sleep(0.3)
     pub = _publisher(protocol)
+    cpu = time.process_time()
     start = time.perf_counter()
     for payload in payloads:
         pub.publish(topic, payload, qos=1)
     got.wait(60)
     elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     for c in (pub, sub):
         c.disconnect()
         c.loop_stop()
-    return count[0] / elapsed
+    return count[0] / elapsed, cpu / max(count[0], 1)
 
 
 def _count(engine: Any, model: Any, prefix_fleet: str) -> int:
@@ -180,13 +187,15 @@ def _count(engine: Any, model: Any, prefix_fleet: str) -> int:
 
 def _end_to_end(
     worker: VerifierWorker, engine: Any, topics: Topics, n: int, rate: float | None, protocol: Any
-) -> tuple[float, list[float]]:
-    """Publish n samples (at ``rate``/s, or as fast as possible); seconds until all verified."""
+) -> tuple[float, list[float], float]:
+    """Publish n samples (at ``rate``/s, or as fast as possible); seconds until all
+    verified, the capture-to-verdict latencies, and this process's CPU seconds per sample."""
     fleet, agent = "bench", f"cam-{uuid.uuid4().hex[:6]}"
     payloads = _envelopes(n, fleet, agent)
     before = worker.counts["verdicts"]
     pub = _publisher(protocol)
     topic = topics.samples(fleet, agent)
+    cpu = time.process_time()
     start = time.perf_counter()
     for i, payload in enumerate(payloads):
         if rate:
@@ -198,6 +207,7 @@ def _end_to_end(
     while worker.counts["verdicts"] - before < n and time.monotonic() < deadline:
         time.sleep(0.005)
     elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     pub.disconnect()
     pub.loop_stop()
     with engine.connect() as conn:
@@ -209,7 +219,7 @@ def _end_to_end(
                 .where(Sample.agent_id == agent)
             ).all()
         ]
-    return elapsed, latencies
+    return elapsed, latencies, cpu / n
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -289,24 +299,31 @@ def run(quick: bool = False) -> dict[str, Any]:
         review_audit_share=0.02,
     )
     engine = create_engine(url)
-    n = 300 if quick else 600
+    n = 600 if quick else 1500
     repeats = 5
     try:
         with VerifierWorker(settings) as worker:
             _end_to_end(worker, engine, topics, 100, None, protocol)  # warm-up
-            rates = []
+            _raw_pubsub(_envelopes(100, "bench", "raw"), protocol)
+            e2e_rates: list[float] = []
+            raw_rates: list[float] = []
+            cpu: list[float] = []
+            raw_cpu: list[float] = []
             for _ in range(repeats):
-                elapsed, _lat = _end_to_end(worker, engine, topics, n, None, protocol)
-                rates.append(n / elapsed)
-            e2e = statistics.median(rates)
+                elapsed, _lat, per_sample = _end_to_end(worker, engine, topics, n, None, protocol)
+                e2e_rates.append(n / elapsed)
+                cpu.append(per_sample)
+                raw_rate, raw_per_message = _raw_pubsub(_envelopes(n, "bench", "raw"), protocol)
+                raw_rates.append(raw_rate)
+                raw_cpu.append(raw_per_message)
+            e2e = statistics.median(e2e_rates)
+            raw_mqtt = statistics.median(raw_rates)
             half = e2e / 2
             lat_runs = []
             for _ in range(3 if quick else 5):
-                _, lat = _end_to_end(worker, engine, topics, n // 2, half, protocol)
+                _, lat, _cpu = _end_to_end(worker, engine, topics, n // 4, half, protocol)
                 lat_runs.append(lat)
             latencies = sorted(x for run_ in lat_runs for x in run_)
-        raw_rates = [_raw_pubsub(_envelopes(n, "bench", "raw"), protocol) for _ in range(repeats)]
-        raw_mqtt = statistics.median(raw_rates)
     finally:
         engine.dispose()
         drop()
@@ -323,6 +340,11 @@ def run(quick: bool = False) -> dict[str, Any]:
             "capture_to_verdict_p50_ms": round(p50, 1),
             "capture_to_verdict_p99_ms": round(p99, 1),
             "e2e_payload_bytes": len(_envelopes(1, "bench", "x")[0]),
+            "e2e_samples": n,
+            "e2e_runs_samples_per_s": [round(r, 1) for r in e2e_rates],
+            "raw_runs_msgs_per_s": [round(r, 1) for r in raw_rates],
+            "e2e_process_cpu_us_per_sample": round(statistics.median(cpu) * 1e6, 1),
+            "raw_process_cpu_us_per_msg": round(statistics.median(raw_cpu) * 1e6, 1),
         }
     )
     tables.append(
@@ -332,6 +354,11 @@ def run(quick: bool = False) -> dict[str, Any]:
                 [f"verifier: publish -> stored verdict in {db} (samples/s)", e2e],
                 ["raw Mosquitto pub/sub, same payloads (msgs/s)", raw_mqtt],
                 ["ratio", figures["e2e_vs_raw_mqtt"]],
+                [
+                    "CPU of this process per sample, pipeline / raw (us)",
+                    f"{figures['e2e_process_cpu_us_per_sample']:.0f}"
+                    f" / {figures['raw_process_cpu_us_per_msg']:.0f}",
+                ],
                 [f"capture-to-verdict p50 at {half:.0f}/s (ms)", p50],
                 [f"capture-to-verdict p99 at {half:.0f}/s (ms)", p99],
             ],

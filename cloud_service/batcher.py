@@ -184,49 +184,67 @@ class DynamicBatcher(Generic[T, R]):
         self, item: T, *, shape: Hashable = None, priority: int = 0, order: float = 0.0
     ) -> Future[R]:
         """Queue ``item``; its future completes with its result or the batch's error."""
+        return self.submit_many([(item, shape, priority, order)])[0]
+
+    def submit_many(self, requests: Sequence[tuple[T, Hashable, int, float]]) -> list[Future[R]]:
+        """Queue several (item, shape, priority, order) at once: one lock and one wake-up
+        of the workers for all of them, as ``submit`` would queue each. If one cannot be
+        queued (closed, full), the error is raised and those before it stay queued."""
+        futures: list[Future[R]] = []
+        with self._lock:
+            for item, shape, priority, order in requests:
+                self._wait_for_room()
+                futures.append(self._enqueue(item, shape, priority, order))
+            self._lock.notify()
+        return futures
+
+    def _wait_for_room(self) -> None:
+        """Under the lock: return once one more request fits, or raise per the policy."""
+        if self._closed:
+            raise BatcherClosedError("the batcher is closed")
+        if self._waiting < self.config.max_queue_size:
+            return
+        if self.config.queue_policy == "reject":
+            raise QueueFullError(
+                f"the verifier queue is full ({self.config.max_queue_size} waiting)"
+            )
+        deadline = (
+            None
+            if self.config.submit_timeout_s is None
+            else self._clock() + self.config.submit_timeout_s
+        )
+        self._lock.notify()  # what is queued already must be able to run meanwhile
+        while self._waiting >= self.config.max_queue_size and not self._closed:
+            remaining = None if deadline is None else deadline - self._clock()
+            if remaining is not None and remaining <= 0:
+                raise QueueFullError(
+                    f"the verifier queue stayed full ({self.config.max_queue_size}"
+                    f" waiting) for {self.config.submit_timeout_s} s"
+                )
+            self._room.wait(remaining)
+        if self._closed:
+            raise BatcherClosedError("the batcher is closed")
+
+    def _enqueue(self, item: T, shape: Hashable, priority: int, order: float) -> Future[R]:
         level = min(max(int(priority), 0), self.config.priority_levels - 1)
         future: Future[R] = Future()
-        with self._lock:
-            if self._closed:
-                raise BatcherClosedError("the batcher is closed")
-            if self._waiting >= self.config.max_queue_size:
-                if self.config.queue_policy == "reject":
-                    raise QueueFullError(
-                        f"the verifier queue is full ({self.config.max_queue_size} waiting)"
-                    )
-                deadline = (
-                    None
-                    if self.config.submit_timeout_s is None
-                    else self._clock() + self.config.submit_timeout_s
-                )
-                while self._waiting >= self.config.max_queue_size and not self._closed:
-                    remaining = None if deadline is None else deadline - self._clock()
-                    if remaining is not None and remaining <= 0:
-                        raise QueueFullError(
-                            f"the verifier queue stayed full ({self.config.max_queue_size}"
-                            f" waiting) for {self.config.submit_timeout_s} s"
-                        )
-                    self._room.wait(remaining)
-                if self._closed:
-                    raise BatcherClosedError("the batcher is closed")
-            now = self._clock()
-            seq = next(self._seq)
-            timeout = self.config.timeout_s
-            request = _Request[T, R](
-                sort=(order, seq),
-                item=item,
-                shape=shape,
-                level=level,
-                enqueued=now,
-                deadline=None if timeout is None else now + timeout,
-                future=future,
-            )
-            heapq.heappush(self._heaps.setdefault((level, shape), []), request)
-            self._per_shape[shape] = self._per_shape.get(shape, 0) + 1
-            if request.deadline is not None:
-                heapq.heappush(self._deadlines, (request.deadline, seq, request))
-            self._waiting += 1
-            self._lock.notify()
+        now = self._clock()
+        seq = next(self._seq)
+        timeout = self.config.timeout_s
+        request = _Request[T, R](
+            sort=(order, seq),
+            item=item,
+            shape=shape,
+            level=level,
+            enqueued=now,
+            deadline=None if timeout is None else now + timeout,
+            future=future,
+        )
+        heapq.heappush(self._heaps.setdefault((level, shape), []), request)
+        self._per_shape[shape] = self._per_shape.get(shape, 0) + 1
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, seq, request))
+        self._waiting += 1
         return future
 
     # --- forming batches -----------------------------------------------------

@@ -122,6 +122,12 @@ class CloudSettings(EdgeLoopSettings):
         description="CPython's thread switch interval while the verifier runs; 0: unchanged",
     )
 
+    recovery_grace_s: float = Field(
+        default=120.0,
+        ge=0.0,
+        description="periodic recovery scans leave pending samples younger than this alone",
+    )
+
     # Dynamic batcher (the knobs Triton's dynamic_batching has).
     max_batch_size: int = Field(default=32, ge=1, le=4096)
     preferred_batch_sizes: list[int] = Field(default_factory=list)

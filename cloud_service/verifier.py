@@ -4,6 +4,17 @@ Model contract (shared with distill/): input ``frames`` uint8 [batch, H, W, 3] R
 (preprocessing inside the graph, dynamic batch axis), output ``scores`` float32
 [batch, classes] probabilities. Class labels come from the metadata key
 ``edgeloop.labels`` (a JSON list) when present, else "0".."C-1".
+
+Two ways to run a batch:
+
+* *graph* (every provider): uint8 frames go into the session as they are; on CUDA
+  through I/O binding into pre-allocated device buffers.
+* *kernels* (CUDA, with triton and torch): the frames are copied to the GPU once,
+  the Triton preprocessing kernel makes the normalized NCHW tensor, the teacher
+  without its in-graph preprocessing and softmax (``kernels.graph.split_teacher``)
+  runs on it through I/O binding, and the Triton scoring kernel turns its logits
+  into probabilities, confidence, margin and entropy in one pass. Chosen at start
+  where possible (``use_gpu_kernels``); a failure at run time falls back to *graph*.
 """
 
 from __future__ import annotations
@@ -16,19 +27,28 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import cv2
 import numpy as np
 import onnxruntime as ort
 from PIL import Image
 
-from shared.errors import ImageError, ModelError
+from shared.errors import ImageError, ImageFormatError, ModelError
+from shared.images import ImageInfo, probe_image
+
+if TYPE_CHECKING:
+    from kernels.graph import TeacherSplit
 
 __all__ = [
     "PROVIDER_PREFERENCE",
+    "BatchScores",
     "TeacherModel",
+    "TeacherScore",
     "choose_providers",
     "decode_image",
+    "scores_from_probs",
+    "use_gpu_kernels",
     "uses_io_binding",
 ]
 
@@ -51,24 +71,62 @@ def choose_providers(wanted: Sequence[str] | None = None) -> list[str]:
     return chosen
 
 
+def _reduced_flag(info: ImageInfo, size: tuple[int, int]) -> int:
+    """The ``cv2.imdecode`` flag that lets libjpeg decode at 1/8, 1/4 or 1/2 scale (DCT
+    scaling) while the result stays at least ``size`` (H, W): a 208 px camera crop for a
+    64 px teacher decodes at 104 px, skipping most of the inverse DCT work."""
+    if info.format == "jpeg":
+        h, w = size
+        for factor, flag in _REDUCED:
+            if info.width >= factor * w and info.height >= factor * h:
+                return flag | cv2.IMREAD_IGNORE_ORIENTATION
+    return cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION
+
+
+_REDUCED = (
+    (8, cv2.IMREAD_REDUCED_COLOR_8),
+    (4, cv2.IMREAD_REDUCED_COLOR_4),
+    (2, cv2.IMREAD_REDUCED_COLOR_2),
+)
+
+
 def decode_image(data: bytes, size: tuple[int, int] | None) -> np.ndarray:
-    """Decode JPEG/PNG bytes to uint8 [H, W, 3] RGB, resized to ``size`` (H, W) if given."""
+    """Decode JPEG/PNG bytes to uint8 [H, W, 3] RGB, resized to ``size`` (H, W) if given.
+
+    OpenCV decodes (it releases the GIL, so a thread pool spreads decoding over the
+    cores), at a reduced scale when the image is at least twice the target, then
+    shrinks with the area filter. Bytes OpenCV refuses, and JPEGs that do not end
+    with their end-of-image marker, go through Pillow, which either decodes them or
+    says what is wrong with them.
+    """
+    try:
+        info = probe_image(data)
+    except ImageFormatError as exc:
+        raise ImageError(f"image bytes do not decode as JPEG/PNG: {exc}") from exc
+    flag = cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION
+    if size is not None:
+        flag = _reduced_flag(info, size)
+    # libjpeg through OpenCV fills a truncated JPEG with grey and says nothing; one
+    # that does not end with its EOI marker goes through Pillow, which refuses it.
+    complete = info.format != "jpeg" or data.endswith(b"\xff\xd9")
+    bgr = cv2.imdecode(np.frombuffer(data, np.uint8), flag) if complete else None
+    rgb = _decode_with_pillow(data) if bgr is None else cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+    if size is not None and rgb.shape[:2] != size:
+        shrinking = rgb.shape[0] > size[0] or rgb.shape[1] > size[1]
+        interpolation = cv2.INTER_AREA if shrinking else cv2.INTER_LINEAR
+        rgb = cv2.resize(rgb, (size[1], size[0]), interpolation=interpolation)
+    return np.ascontiguousarray(rgb, dtype=np.uint8)
+
+
+def _decode_with_pillow(data: bytes) -> np.ndarray:
     try:
         with warnings.catch_warnings():
             # A decompression-bomb warning is an error here: the envelope limits
             # already bounded the pixel count, so anything Pillow warns about is refused.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as image:
-                if size is not None and image.format == "JPEG":
-                    # Let libjpeg decode at 1/2, 1/4 or 1/8 scale (DCT scaling) when the
-                    # target is that much smaller: a 208 px camera crop for a 64 px
-                    # teacher decodes ~2x faster, and decode was ingest's largest cost.
-                    image.draft("RGB", (size[1], size[0]))
                 image.load()
-                rgb = image.convert("RGB")
-                if size is not None and (rgb.height, rgb.width) != size:
-                    rgb = rgb.resize((size[1], size[0]), Image.Resampling.BILINEAR)
-                return np.asarray(rgb, dtype=np.uint8)
+                return np.asarray(image.convert("RGB"), dtype=np.uint8)
     except (
         OSError,
         ValueError,
@@ -77,6 +135,119 @@ def decode_image(data: bytes, size: tuple[int, int] | None) -> np.ndarray:
         Image.DecompressionBombWarning,
     ) as exc:
         raise ImageError(f"image bytes do not decode as JPEG/PNG: {exc}") from exc
+
+
+class BatchScores(NamedTuple):
+    """The teacher's answer for a batch: probabilities and what the verdict needs from them."""
+
+    probs: np.ndarray  # float32 [N, C]
+    label: np.ndarray  # int [N] the most probable class
+    confidence: np.ndarray  # float32 [N] its probability
+    margin: np.ndarray  # float32 [N] best minus second-best probability
+    entropy: np.ndarray  # float32 [N] nats
+
+
+class TeacherScore(NamedTuple):
+    """One frame's row of ``BatchScores``."""
+
+    scores: np.ndarray
+    label: int
+    confidence: float
+    margin: float
+    entropy: float
+
+
+def scores_from_probs(probs: np.ndarray) -> BatchScores:
+    """Label, confidence, margin and entropy of probabilities [N, C] (NumPy, any device)."""
+    probs = np.asarray(probs, dtype=np.float32)
+    label = probs.argmax(axis=1)
+    rows = np.arange(len(probs))
+    confidence = probs[rows, label]
+    if probs.shape[1] > 1:
+        second = np.partition(probs, -2, axis=1)[:, -2]
+    else:
+        second = np.zeros_like(confidence)
+    # p log p is 0 at p = 0; the floor keeps log() finite there.
+    logs = np.log(np.maximum(probs, np.finfo(np.float32).tiny))
+    entropy = -(probs * logs).sum(axis=1, dtype=np.float32)
+    return BatchScores(probs, label, confidence, confidence - second, entropy)
+
+
+def use_gpu_kernels(provider: str, *, wanted: bool, cuda: bool, triton: bool) -> bool:
+    """Whether a session on ``provider`` runs with the Triton kernels around it: only on
+    CUDA (TensorRT fuses the preprocessing itself; CPU keeps the in-graph path)."""
+    return wanted and cuda and triton and provider == "CUDAExecutionProvider"
+
+
+def _cuda_and_triton() -> tuple[bool, bool]:
+    try:
+        import torch
+    except ImportError:
+        return False, False
+    from kernels import preprocess
+
+    return bool(torch.cuda.is_available()), preprocess.HAVE_TRITON
+
+
+class _KernelPath:
+    """uint8 frames -> preprocessing kernel -> split teacher (I/O binding) -> scoring kernel.
+
+    Every tensor stays on ``device`` ("cuda"; "cpu" runs the same code in Triton's
+    interpreter) from the one host-to-device copy of the frames to the copy of the
+    scores back.
+    """
+
+    def __init__(
+        self,
+        split: TeacherSplit,
+        session: ort.InferenceSession,
+        *,
+        size: tuple[int, int] | None,
+        classes: int,
+        device: str,
+    ) -> None:
+        self.split = split
+        self.session = session
+        self.size = size
+        self.classes = classes
+        self.device = device
+
+    def run(self, frames: np.ndarray) -> BatchScores:
+        import torch
+
+        from kernels import preprocess, scoring
+
+        device = torch.device(self.device)
+        host = np.ascontiguousarray(frames)
+        if not host.flags.writeable:  # torch wants memory it may write
+            host = host.copy()
+        x = torch.from_numpy(host).to(device)
+        size = self.size or (int(frames.shape[1]), int(frames.shape[2]))
+        pixels = preprocess.preprocess(x, size, mean=self.split.mean, std=self.split.std)
+        n = int(pixels.shape[0])
+        out = torch.empty((n, self.classes), dtype=torch.float32, device=device)
+        kind, index = device.type, device.index or 0
+        binding = self.session.io_binding()
+        binding.bind_input(
+            self.split.input_name, kind, index, np.float32, list(pixels.shape), pixels.data_ptr()
+        )
+        binding.bind_output(
+            self.split.output_name, kind, index, np.float32, [n, self.classes], out.data_ptr()
+        )
+        if kind == "cuda":
+            # The kernel ran on torch's stream and ONNX Runtime runs on its own.
+            torch.cuda.current_stream(device).synchronize()
+        self.session.run_with_iobinding(binding)
+        if not self.split.logits:
+            return scores_from_probs(out.cpu().numpy())
+        result = scoring.score(out)
+        return BatchScores(
+            result.probs.cpu().numpy(),
+            result.top1.cpu().numpy().astype(np.int64),
+            result.confidence.cpu().numpy(),
+            result.margin.cpu().numpy(),
+            result.entropy.cpu().numpy(),
+        )
 
 
 def uses_io_binding(provider: str) -> bool:
@@ -152,6 +323,8 @@ class TeacherModel:
         trt_cache_dir: Path | None = None,
         trt_fp16: bool = True,
         trt_int8: bool = False,
+        allow_spinning: bool = False,
+        gpu_kernels: bool = True,
     ) -> None:
         self.path = Path(path)
         self._batch_sizes = tuple(batch_sizes)
@@ -167,6 +340,11 @@ class TeacherModel:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if intra_op_threads:
             options.intra_op_num_threads = intra_op_threads
+        # Idle intra-op threads spin for work by default: fast for a process that only
+        # runs the model, but here they take the cores that decode and store samples.
+        options.add_session_config_entry(
+            "session.intra_op.allow_spinning", "1" if allow_spinning else "0"
+        )
         self.session = self._create_session(options, choose_providers(providers))
         self.info = self._inspect(name, version)
         self._binding: _CudaBinding | None = None
@@ -176,6 +354,36 @@ class TeacherModel:
             self._binding = _CudaBinding(
                 self.session, self.info, width if isinstance(width, int) else None
             )
+        self._kernels: _KernelPath | None = None
+        cuda, triton = _cuda_and_triton() if gpu_kernels else (False, False)
+        if use_gpu_kernels(self.info.provider, wanted=gpu_kernels, cuda=cuda, triton=triton):
+            self._kernels = self._kernel_path(options, device="cuda")
+
+    @property
+    def preprocessing(self) -> str:
+        """Where preprocessing runs: "kernels" (Triton, on the GPU) or "graph" (in ONNX)."""
+        return "kernels" if self._kernels is not None else "graph"
+
+    def _kernel_path(self, options: ort.SessionOptions, *, device: str) -> _KernelPath | None:
+        """The kernel path on ``device``, or None (logged) where the teacher does not split."""
+        from kernels.graph import split_teacher
+
+        out = next(o for o in self.session.get_outputs() if o.name == self.info.output_name)
+        classes = out.shape[1] if len(out.shape) == 2 else None
+        if not isinstance(classes, int):
+            log.info("teacher keeps in-graph preprocessing: its class count is not fixed")
+            return None
+        try:
+            split = split_teacher(self.path, self.info.output_name)
+            if split is None:
+                return None
+            provider = "CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider"
+            session = ort.InferenceSession(split.model, options, providers=[provider])
+        except Exception as exc:  # onnx/onnxruntime errors are untyped: keep the graph path
+            log.warning("teacher keeps in-graph preprocessing: %s", exc)
+            return None
+        log.info("teacher preprocessing and scoring run as Triton kernels on %s", device)
+        return _KernelPath(split, session, size=self.input_size, classes=classes, device=device)
 
     def _create_session(
         self, options: ort.SessionOptions, providers: list[str]
@@ -257,6 +465,11 @@ class TeacherModel:
 
     def predict(self, frames: np.ndarray) -> np.ndarray:
         """Scores float32 [N, C] for frames uint8 [N, H, W, 3]."""
+        if self._kernels is not None:
+            return self.score(frames).probs
+        return self._predict_graph(frames)
+
+    def _predict_graph(self, frames: np.ndarray) -> np.ndarray:
         try:
             if self._binding is not None:
                 return self._binding.run(frames)
@@ -265,7 +478,33 @@ class TeacherModel:
             raise ModelError(f"teacher inference failed: {exc}") from exc
         return np.asarray(scores, dtype=np.float32)
 
+    def score(self, frames: np.ndarray) -> BatchScores:
+        """Probabilities, label, confidence, margin and entropy for frames uint8 [N, H, W, 3]."""
+        kernels = self._kernels
+        if kernels is not None:
+            try:
+                return kernels.run(frames)
+            except Exception as exc:  # triton/torch/onnxruntime: degrade, keep serving
+                log.warning("GPU kernels failed (%s); preprocessing moves into the graph", exc)
+                self._kernels = None
+        return scores_from_probs(self._predict_graph(frames))
+
     def predict_many(self, frames: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Score a list of same-shape frames [H, W, 3] as one batch (the batcher's run_batch)."""
         scores = self.predict(np.stack(frames))
         return list(scores)
+
+    def score_many(self, frames: Sequence[np.ndarray]) -> list[TeacherScore]:
+        """``score`` for a list of same-shape frames [H, W, 3], one result per frame."""
+        result = self.score(np.stack(frames))
+        return [
+            TeacherScore(probs, int(label), float(confidence), float(margin), float(entropy))
+            for probs, label, confidence, margin, entropy in zip(
+                result.probs,
+                result.label.tolist(),
+                result.confidence.tolist(),
+                result.margin.tolist(),
+                result.entropy.tolist(),
+                strict=True,
+            )
+        ]

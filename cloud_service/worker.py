@@ -3,9 +3,13 @@
 Threads, each with one job:
 
     paho loop        on_message -> inbox (nothing else runs on paho's thread)
-    ingest           inbox -> classify -> blobs + one DB transaction -> ack -> receipts,
-                     new samples -> batcher
-    batcher-N        the teacher on same-shape batches (cloud_service.batcher)
+    ingest           inbox -> a batch of messages, classified (envelope checks, image
+                     decode) in chunks on the decoder pool -> staged
+    decode-N         the pool: OpenCV releases the GIL, so decoding uses every core
+    store            staged batches in order -> blobs (one flush) + one DB transaction
+                     -> ack -> receipts, new samples -> batcher; while it waits on the
+                     disk and the database, the next batch is being decoded
+    teacher-N        the teacher on same-shape batches (cloud_service.batcher)
     verdicts         results -> verdict rows (one transaction per drain) -> publish
     recovery         stored samples still "pending" (a crash, a failed batch) -> batcher
 
@@ -21,13 +25,14 @@ import functools
 import logging
 import os
 import queue
+import sys
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import UTC, datetime
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import numpy as np
 import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
@@ -35,13 +40,20 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from cloud_service.batcher import BatcherConfig, BatchInfo, DynamicBatcher
+from cloud_service.batcher import (
+    BatcherClosedError,
+    BatcherConfig,
+    BatchInfo,
+    DynamicBatcher,
+    QueueFullError,
+)
 from cloud_service.blobs import BlobStore, LocalBlobStore
 from cloud_service.db import crud
 from cloud_service.db.models import Sample
 from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
 from cloud_service.ingest import (
     AgentBreaker,
+    Classified,
     DeadLetterRow,
     IngestModelStatus,
     IngestSample,
@@ -54,7 +66,7 @@ from cloud_service.ingest import (
 from cloud_service.metrics import CloudMetrics
 from cloud_service.review import ReviewRules
 from cloud_service.settings import CloudSettings
-from cloud_service.verifier import TeacherModel, decode_image
+from cloud_service.verifier import TeacherModel, TeacherScore, decode_image
 from shared.errors import EdgeLoopError, StoreError, TransportError
 from shared.messages import Receipt, Verdict, encode_message
 from shared.mqtt import make_client, negotiate_protocol
@@ -117,25 +129,40 @@ class VerifierWorker:
             version=settings.teacher_version,
             providers=settings.ort_providers,
             intra_op_threads=settings.ort_intra_op_threads,
+            allow_spinning=settings.ort_allow_spinning,
+            gpu_kernels=settings.teacher_gpu_kernels,
         )
         self.rules = ReviewRules(
             confidence_below=settings.review_confidence_below,
             on_disagreement=settings.review_on_disagreement,
             audit_share=settings.review_audit_share,
         )
-        self.batcher: DynamicBatcher[SampleTask, np.ndarray] = DynamicBatcher(
+        self.batcher: DynamicBatcher[SampleTask, TeacherScore] = DynamicBatcher(
             self._run_batch, batcher_config(settings), on_batch=self._on_batch, name="teacher"
         )
         self.receipts = ReceiptBuffer(
             flush_s=settings.receipt_flush_ms / 1000, max_ids=settings.receipt_max_ids
         )
         self._inbox: queue.Queue[mqtt.MQTTMessage] = queue.Queue()
-        # Image decode is ingest's largest cost and Pillow releases the GIL while it
+        # Image decode is ingest's largest cost and OpenCV releases the GIL while it
         # decodes and resizes, so a small pool spreads one ingest batch over the cores.
+        self._decode_workers = min(4, os.cpu_count() or 1)
         self._decoders = ThreadPoolExecutor(
-            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="decode"
+            max_workers=self._decode_workers, thread_name_prefix="decode"
         )
-        self._results: queue.Queue[tuple[SampleTask, np.ndarray | BaseException]] = queue.Queue()
+        # Writes a batch's images while its rows are inserted: the transaction commits
+        # only once they are durable, so a row never points at a missing image.
+        self._blob_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blobs")
+        # Batches classified (or being classified) and waiting for the store thread, in
+        # arrival order; two at most, so a slow store holds messages in the inbox, where
+        # they form bigger batches, not here. None: the ingest thread stopped.
+        self._staged: queue.Queue[
+            tuple[list[mqtt.MQTTMessage], list[Future[list[Classified]]]] | None
+        ] = queue.Queue(maxsize=2)
+        # Each teacher batch's results as one item: (task, scores or the batch's error).
+        self._results: queue.Queue[list[tuple[SampleTask, TeacherScore | BaseException]]] = (
+            queue.Queue()
+        )
         self._inflight: set[str] = set()
         self._inflight_lock = threading.Lock()
         self.breaker = AgentBreaker(
@@ -149,6 +176,7 @@ class VerifierWorker:
         self._isolated_shown: set[tuple[str, str]] = set()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._switch_interval: float | None = None  # the interpreter's, while ours is set
         self._connected = threading.Event()
         self._subscribed = threading.Event()
         self.protocol = "5"
@@ -169,16 +197,30 @@ class VerifierWorker:
         return self._subscribed.is_set() and self._connected.is_set()
 
     def start(self, *, connect_timeout: float = 15.0) -> None:
+        switch_ms = self.settings.verifier_switch_interval_ms
+        if switch_ms and self._switch_interval is None:
+            # The MQTT thread releases the GIL on every socket read and must win it back
+            # from threads that decode, store and score; at CPython's default 5 ms per
+            # hand-over it could take in only a few hundred messages a second.
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(switch_ms / 1000)
         self.batcher.start()
         for name, target in (
             ("ingest", self._ingest_loop),
+            ("store", self._store_loop),
             ("verdicts", self._verdict_loop),
             ("recovery", self._recovery_loop),
         ):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
-        self._connect(connect_timeout)
+        try:
+            self._connect(connect_timeout)
+        except BaseException:
+            if self._switch_interval is not None:
+                sys.setswitchinterval(self._switch_interval)
+                self._switch_interval = None
+            raise
 
     def stop(self) -> None:
         """Stop taking messages, finish what is in hand, flush receipts, disconnect."""
@@ -190,19 +232,24 @@ class VerifierWorker:
             # restarted verifier with the same client id receives what queued meanwhile.
             client.on_message = None
         self._stop.set()
-        for thread in self._threads:
-            if thread.name == "ingest":
-                thread.join(10)
+        for name in ("ingest", "store"):
+            for thread in self._threads:
+                if thread.name == name:
+                    thread.join(10)
         self.batcher.close(drain=True)
         for thread in self._threads:
             thread.join(10)
         self._threads.clear()
         self._decoders.shutdown(wait=True)
+        self._blob_writer.shutdown(wait=True)
         if client is not None:
             client.disconnect()
             client.loop_stop()
         if self._engine is not None:
             self._engine.dispose()
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
 
     def _connect(self, timeout: float) -> None:
         settings = self.settings
@@ -292,11 +339,30 @@ class VerifierWorker:
         return items
 
     def _ingest_loop(self) -> None:
+        """Drain the inbox in batches and start classifying each on the decoder pool."""
         tick = self.settings.ingest_tick_ms / 1000
-        while not self._stop.is_set():
-            batch = self._drain(self._inbox, self.settings.ingest_max_batch, tick)
-            if batch:
-                self._with_retries(functools.partial(self._ingest, batch))
+        try:
+            while not self._stop.is_set():
+                batch = self._drain(self._inbox, self.settings.ingest_max_batch, tick)
+                if batch:
+                    self._staged.put((batch, self._classify(batch)))
+        finally:
+            self._staged.put(None)
+
+    def _store_loop(self) -> None:
+        """Store the staged batches in order; flush receipts as they fall due."""
+        tick = self.settings.ingest_tick_ms / 1000
+        while True:
+            try:
+                staged = self._staged.get(timeout=tick)
+            except queue.Empty:
+                self._flush_receipts()
+                continue
+            if staged is None:
+                break
+            messages, pending = staged
+            outcomes = [outcome for future in pending for outcome in future.result()]
+            self._with_retries(functools.partial(self._store, messages, outcomes))
             self._flush_receipts()
         self._flush_receipts(everything=True)
 
@@ -314,11 +380,9 @@ class VerifierWorker:
                     return False
         return False
 
-    def _ingest(self, messages: list[mqtt.MQTTMessage]) -> None:
-        now = datetime.now(UTC)
-        samples: list[IngestSample] = []
-        dead: list[DeadLetterRow] = []
-        statuses: list[IngestStatus | IngestModelStatus] = []
+    def _classify(self, messages: list[mqtt.MQTTMessage]) -> list[Future[list[Classified]]]:
+        """Classify ``messages`` on the decoder pool, in a few chunks (one task per message
+        would cost more in hand-offs than a small image takes to decode)."""
         classify_one = functools.partial(
             classify,
             topics=self.topics,
@@ -327,11 +391,24 @@ class VerifierWorker:
             keep_bytes=self.settings.dead_letter_keep_bytes,
         )
         guarded = self._breaker_guard(classify_one)
-        topics_payloads = [(m.topic, bytes(m.payload)) for m in messages]
-        if len(messages) > 1:
-            outcomes = list(self._decoders.map(lambda tp: guarded(*tp), topics_payloads))
-        else:
-            outcomes = [guarded(*tp) for tp in topics_payloads]
+        items = [(m.topic, bytes(m.payload)) for m in messages]
+
+        def run(chunk: Sequence[tuple[str, bytes]]) -> list[Classified]:
+            return [guarded(topic, payload) for topic, payload in chunk]
+
+        if len(items) == 1:
+            done: Future[list[Classified]] = Future()
+            done.set_result(run(items))
+            return [done]
+        size = -(-len(items) // (2 * self._decode_workers))
+        return [self._decoders.submit(run, items[i : i + size]) for i in range(0, len(items), size)]
+
+    def _store(self, messages: list[mqtt.MQTTMessage], outcomes: list[Classified]) -> None:
+        """Make one classified batch durable, then ack, receipt and queue it for the teacher."""
+        now = datetime.now(UTC)
+        samples: list[IngestSample] = []
+        dead: list[DeadLetterRow] = []
+        statuses: list[IngestStatus | IngestModelStatus] = []
         for outcome in outcomes:
             if isinstance(outcome, IngestSample):
                 samples.append(outcome)
@@ -339,24 +416,34 @@ class VerifierWorker:
                 dead.append(outcome)
             elif outcome is not None:
                 statuses.append(outcome)
-        # Blobs first: a row never points at an image that is not there. A crash
-        # between the two leaves an orphan file that the redelivery overwrites.
-        self.blobs.put_many([(sample.image_key, sample.image) for sample in samples])
-        with self.sessions.begin() as session:
-            new_ids = crud.insert_samples(
-                session=session, rows=[sample_row(s, now) for s in samples]
-            )
-            crud.insert_dead_letters(session=session, rows=[d.row(now) for d in dead])
-            for item in statuses:
-                if isinstance(item, IngestStatus):
-                    crud.record_agent_status(session=session, status=item.status)
-                else:
-                    crud.record_model_status(session=session, status=item.status)
-            duplicates = [s.header.sample_id for s in samples if s.header.sample_id not in new_ids]
-            stored_verdicts = (
-                crud.get_verdicts(session=session, sample_ids=duplicates) if duplicates else []
-            )
-            republish = [self._verdict_from_row(v) for v in stored_verdicts]
+        # Images and rows are written side by side, and the rows commit only once the
+        # images are durable: a row never points at an image that is not there. A crash
+        # in between leaves orphan files that the redelivery overwrites.
+        images = [(sample.image_key, sample.image) for sample in samples]
+        written = self._blob_writer.submit(self.blobs.put_many, images) if images else None
+        try:
+            with self.sessions.begin() as session:
+                new_ids = crud.insert_samples(
+                    session=session, rows=[sample_row(s, now) for s in samples]
+                )
+                crud.insert_dead_letters(session=session, rows=[d.row(now) for d in dead])
+                for item in statuses:
+                    if isinstance(item, IngestStatus):
+                        crud.record_agent_status(session=session, status=item.status)
+                    else:
+                        crud.record_model_status(session=session, status=item.status)
+                duplicates = [
+                    s.header.sample_id for s in samples if s.header.sample_id not in new_ids
+                ]
+                stored_verdicts = (
+                    crud.get_verdicts(session=session, sample_ids=duplicates) if duplicates else []
+                )
+                republish = [self._verdict_from_row(v) for v in stored_verdicts]
+                if written is not None:
+                    written.result()  # raises the blob store's error: the rows roll back
+        finally:
+            if written is not None:
+                wait([written])  # one writer per batch at a time, even on a retry
         # Durable: now the broker may forget these messages.
         assert self.client is not None
         for message in messages:
@@ -366,12 +453,13 @@ class VerifierWorker:
         self._record_isolations()
         for verdict in republish:
             self._publish_verdict(verdict)
-        submitted: set[str] = set()
+        fresh: dict[str, SampleTask] = {}
         for sample in samples:
             sid = sample.header.sample_id
-            if sid in new_ids and sid not in submitted:
-                submitted.add(sid)
-                self._submit(sample.task())
+            if sid in new_ids and sid not in fresh:
+                fresh[sid] = sample.task()
+        self._submit_many(list(fresh.values()))
+        self.metrics.queue_depth.set(self.batcher.depth)
 
     # --- circuit breaker on malformed data ------------------------------------
 
@@ -437,14 +525,20 @@ class VerifierWorker:
         self, samples: list[IngestSample], new_ids: set[str], dead: list[DeadLetterRow]
     ) -> None:
         m = self.metrics
+        by_agent: dict[tuple[str, str], list[str]] = {}
         for sample in samples:
             h = sample.header
-            self.receipts.add(h.fleet, h.agent, [h.sample_id])
-            m.forwarded.labels(h.fleet, h.agent).inc()
-            if h.sample_id in new_ids:
-                m.ingested.labels(h.fleet).inc()
-            else:
-                m.duplicates.inc()
+            by_agent.setdefault((h.fleet, h.agent), []).append(h.sample_id)
+        new_by_fleet: Counter[str] = Counter()
+        for (fleet, agent), ids in by_agent.items():
+            self.receipts.add(fleet, agent, ids)
+            m.forwarded.labels(fleet, agent).inc(len(ids))
+            new_by_fleet[fleet] += sum(1 for sid in ids if sid in new_ids)
+        for fleet, count in new_by_fleet.items():
+            if count:
+                m.ingested.labels(fleet).inc(count)
+        if len(samples) > len(new_ids):
+            m.duplicates.inc(len(samples) - len(new_ids))
         self.counts["stored"] += len(new_ids)
         self.counts["duplicates"] += len(samples) - len(new_ids)
         self.counts["dead_letters"] += len(dead)
@@ -463,6 +557,25 @@ class VerifierWorker:
             self.metrics.receipts.inc(len(unique))
 
     def _submit(self, task: SampleTask) -> None:
+        if self._admit(task):
+            shape, priority, order = self._request(task)
+            self.batcher.submit(task, shape=shape, priority=priority, order=order)
+
+    def _submit_many(self, tasks: list[SampleTask]) -> None:
+        """Queue new samples for the teacher in one hand-off to the batcher."""
+        admitted = [task for task in tasks if self._admit(task)]
+        if not admitted:
+            return
+        try:
+            self.batcher.submit_many([(task, *self._request(task)) for task in admitted])
+        except (QueueFullError, BatcherClosedError) as exc:
+            # Stored and acked already: left pending, the recovery scan queues them later.
+            log.warning("teacher queue refused samples (%s); they stay pending", exc)
+            with self._inflight_lock:
+                self._inflight.difference_update(t.sample_id for t in admitted)
+
+    def _admit(self, task: SampleTask) -> bool:
+        """Whether ``task`` goes to the batcher now (marked in flight) or waits, pending."""
         if (
             task.priority >= self.settings.shed_priority_at_least
             and self.batcher.depth >= self.settings.shed_queue_depth
@@ -472,31 +585,33 @@ class VerifierWorker:
             # once the queue has drained. Nothing stored is lost.
             self.metrics.shed.labels(str(task.priority)).inc()
             self.shed_count += 1
-            return
+            return False
         with self._inflight_lock:
             if task.sample_id in self._inflight:
-                return
+                return False
             self._inflight.add(task.sample_id)
+        return True
+
+    def _request(self, task: SampleTask) -> tuple[tuple[int, ...], int, float]:
+        """The batcher's (shape, priority level, order) for ``task``."""
         # A sample's priority runs 0 (most urgent) .. 9, the batcher's levels the other
         # way (highest first), so invert. Least sure first within a level: those are
-        # the likeliest mistakes.
-        future = self.batcher.submit(
-            task,
-            shape=task.pixels.shape,
-            priority=self.batcher.config.priority_levels - 1 - task.priority,
-            order=task.edge_confidence,
-        )
-        self.metrics.queue_depth.set(self.batcher.depth)
-        future.add_done_callback(functools.partial(self._done, task))
-
-    def _done(self, task: SampleTask, future: Future[np.ndarray]) -> None:
-        exc = future.exception()
-        self._results.put((task, exc if exc is not None else future.result()))
+        # the likeliest mistakes. The batch's results reach the verdict thread from
+        # _run_batch, all at once; the future stays the batcher's.
+        level = self.batcher.config.priority_levels - 1 - task.priority
+        return task.pixels.shape, level, task.edge_confidence
 
     # --- teacher -------------------------------------------------------------
 
-    def _run_batch(self, tasks: list[SampleTask] | Any) -> list[np.ndarray]:
-        return self.teacher.predict_many([t.pixels for t in tasks])
+    def _run_batch(self, tasks: Sequence[SampleTask]) -> list[TeacherScore]:
+        """Score a batch and hand its results (or its error) to the verdict thread."""
+        try:
+            results = self.teacher.score_many([t.pixels for t in tasks])
+        except BaseException as exc:
+            self._results.put([(task, exc) for task in tasks])
+            raise
+        self._results.put(list(zip(tasks, results, strict=True)))
+        return results
 
     def _on_batch(self, info: BatchInfo) -> None:
         m = self.metrics
@@ -513,13 +628,16 @@ class VerifierWorker:
             stopping = self._stop.is_set() and not any(
                 t.name.startswith("teacher") and t.is_alive() for t in threading.enumerate()
             )
-            batch = self._drain(self._results, 500, 0.05)
+            drained = self._drain(self._results, 16, 0.05)
+            batch = [item for results in drained for item in results]
             if batch:
                 self._with_retries(functools.partial(self._store_verdicts, batch))
             elif stopping:
                 return
 
-    def _store_verdicts(self, results: list[tuple[SampleTask, np.ndarray | BaseException]]) -> None:
+    def _store_verdicts(
+        self, results: list[tuple[SampleTask, TeacherScore | BaseException]]
+    ) -> None:
         now = datetime.now(UTC)
         verdicts: list[Verdict] = []
         failed: list[SampleTask] = []
@@ -556,22 +674,24 @@ class VerifierWorker:
                 self._inflight.discard(task.sample_id)
         m = self.metrics
         agreed = 0
+        outcomes: Counter[tuple[str, str]] = Counter()
         for verdict in verdicts:
             if verdict.sample_id in new:
                 self._publish_verdict(verdict)
                 agreed += verdict.agrees_with_edge
-                m.verdicts.labels(
-                    str(verdict.agrees_with_edge).lower(), str(verdict.review).lower()
-                ).inc()
+                outcomes[str(verdict.agrees_with_edge).lower(), str(verdict.review).lower()] += 1
                 m.capture_to_verdict.observe(max(latency[verdict.sample_id], 0.0))
+        for (agrees, review), count in outcomes.items():
+            m.verdicts.labels(agrees, review).inc(count)
         m.observe_verdicts(agreed, len(new))
         self.counts["verdicts"] += len(new)
         for verdict in again:
             self._publish_verdict(verdict)
 
-    def _make_verdict(self, task: SampleTask, scores: np.ndarray, now: datetime) -> Verdict:
-        label = int(np.argmax(scores))
-        confidence = float(min(max(float(scores[label]), 0.0), 1.0))
+    def _make_verdict(self, task: SampleTask, result: TeacherScore, now: datetime) -> Verdict:
+        scores = result.scores
+        label = result.label
+        confidence = min(max(result.confidence, 0.0), 1.0)
         agrees = label == task.edge_predicted
         reasons = self.rules.reasons(
             sample_id=task.sample_id, teacher_confidence=confidence, agrees_with_edge=agrees
@@ -583,7 +703,7 @@ class VerifierWorker:
             agent=task.agent,
             teacher_model=info.name,
             teacher_version=info.version,
-            scores=[float(x) for x in scores],
+            scores=scores.tolist(),
             label=label,
             confidence=confidence,
             agrees_with_edge=agrees,
@@ -626,22 +746,33 @@ class VerifierWorker:
     def _recovery_loop(self) -> None:
         """Verify stored samples without a verdict: at start (a crash) and then now and then."""
         interval = 30.0
+        # The first scan takes every pending sample (this verifier may have crashed with
+        # them in flight); later ones leave recent samples to whichever verifier of the
+        # shared subscription holds them now.
+        grace_s = 0.0
         while not self._stop.is_set():
             try:
-                self.recover_pending()
+                self.recover_pending(grace_s=grace_s)
+                grace_s = self.settings.recovery_grace_s
             except (SQLAlchemyError, EdgeLoopError, OSError) as exc:
                 log.warning("recovery scan failed: %s", exc)
             if self._stop.wait(interval):
                 return
 
-    def recover_pending(self, *, limit: int = 100_000) -> int:
-        """Submit stored, unverified samples that are not in flight here; return how many."""
+    def recover_pending(self, *, limit: int = 100_000, grace_s: float = 0.0) -> int:
+        """Submit stored, unverified samples that are not in flight here; return how many.
+
+        Samples stored in the last ``grace_s`` seconds are left alone.
+        """
         count = 0
         after = ""
         size = self.teacher.input_size
+        received_before = datetime.now(UTC) - timedelta(seconds=grace_s) if grace_s else None
         while count < limit and not self._stop.is_set():
             with self.sessions() as session:
-                rows = crud.pending_samples(session=session, limit=500, after=after)
+                rows = crud.pending_samples(
+                    session=session, limit=500, after=after, received_before=received_before
+                )
             if not rows:
                 break
             after = rows[-1].sample_id

@@ -8,13 +8,14 @@ a batch and tells which rows were new.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import secrets
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Select, func, insert, select, update
+from sqlalchemy import Select, func, insert, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -85,9 +86,55 @@ def _chunks(rows: Sequence[dict[str, Any]], size: int = 500) -> Iterable[Sequenc
 # --- ingest ------------------------------------------------------------------
 
 
+def _insert_ignore_unnest(
+    session: Session, model: type[Base], key: str, rows: Sequence[dict[str, Any]]
+) -> set[str]:
+    """PostgreSQL: ``INSERT ... SELECT unnest(array), ... ON CONFLICT DO NOTHING RETURNING``.
+
+    One statement of one array parameter per column, whatever the number of rows: its
+    text never changes (psycopg parses it once, not once per batch as it must a
+    multi-row VALUES list), and psycopg adapts each column's values as one array.
+    """
+    table = model.__table__
+    dialect = session.get_bind().dialect
+    columns: list[Any] = []
+    defaults: dict[str, Any] = {}
+    for column in table.columns:
+        if column.name in rows[0]:
+            columns.append(column)
+        elif column.default is not None and not column.primary_key:
+            # A Python-side default the ORM would have applied (received_at, status, ...):
+            # computed once for the batch.
+            default = column.default
+            defaults[column.name] = default.arg(None) if default.is_callable else default.arg
+            columns.append(column)
+    selects: list[str] = []
+    params: dict[str, list[Any]] = {}
+    for column in columns:
+        if column.name in defaults:
+            values = [defaults[column.name]] * len(rows)
+        else:
+            values = [row[column.name] for row in rows]
+        kind = column.type.compile(dialect=dialect)
+        if kind in ("JSON", "JSONB"):
+            values = [None if v is None else json.dumps(v) for v in values]
+            selects.append(f"CAST(unnest(CAST(:{column.name} AS TEXT[])) AS {kind})")
+        else:
+            selects.append(f"unnest(CAST(:{column.name} AS {kind}[]))")
+        params[column.name] = values
+    names = ", ".join(c.name for c in columns)
+    statement = text(
+        f"INSERT INTO {model.__tablename__} ({names}) SELECT {', '.join(selects)}"
+        f" ON CONFLICT ({key}) DO NOTHING RETURNING {key}"
+    )
+    return set(session.scalars(statement, params).all())
+
+
 def insert_samples(*, session: Session, rows: Sequence[dict[str, Any]]) -> set[str]:
     """Store sample rows, skipping ids already stored; return the ids that were new."""
     new: set[str] = set()
+    if rows and session.get_bind().dialect.name == "postgresql":
+        return _insert_ignore_unnest(session, Sample, "sample_id", rows)
     for chunk in _chunks(rows):
         stmt = _insert_ignore(session, Sample, "sample_id").returning(Sample.sample_id)
         new.update(session.scalars(stmt, list(chunk)).all())
@@ -162,9 +209,12 @@ def pending_samples(
 def insert_verdicts(*, session: Session, rows: Sequence[dict[str, Any]]) -> set[str]:
     """Store verdicts (one per sample at most) and move their samples on; return new ids."""
     new: set[str] = set()
-    for chunk in _chunks(rows):
-        stmt = _insert_ignore(session, Verdict, "sample_id").returning(Verdict.sample_id)
-        new.update(session.scalars(stmt, list(chunk)).all())
+    if rows and session.get_bind().dialect.name == "postgresql":
+        new = _insert_ignore_unnest(session, Verdict, "sample_id", rows)
+    else:
+        for chunk in _chunks(rows):
+            stmt = _insert_ignore(session, Verdict, "sample_id").returning(Verdict.sample_id)
+            new.update(session.scalars(stmt, list(chunk)).all())
     by_status: dict[tuple[str, datetime], list[str]] = {}
     for row in rows:
         if row["sample_id"] in new:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import pytest
 
 from cloud_service.batcher import (
+    BatcherClosedError,
     BatcherConfig,
     BatchInfo,
     DynamicBatcher,
@@ -185,3 +186,28 @@ def test_closing_without_drain_fails_waiting_requests() -> None:
     b.close(drain=False)
     with pytest.raises(Exception, match="closed"):
         waiting.result(1)
+
+
+def test_submit_many_queues_like_submit_in_one_hand_off() -> None:
+    seen: list[list[str]] = []
+
+    def run(items: Sequence[str]) -> list[str]:
+        seen.append(list(items))
+        return [item.upper() for item in items]
+
+    config = BatcherConfig(max_batch_size=4, max_queue_delay_s=0.05, priority_levels=2)
+    with DynamicBatcher(run, config) as batcher:
+        futures = batcher.submit_many(
+            [("a", "s", 0, 0.0), ("b", "s", 1, 0.0), ("c", "s", 0, -1.0), ("d", "s", 1, 0.0)]
+        )
+        assert [f.result(5) for f in futures] == ["A", "B", "C", "D"]
+    # One batch, most urgent level first, then the smaller order key.
+    assert seen == [["b", "d", "c", "a"]]
+
+
+def test_submit_many_refuses_when_closed() -> None:
+    batcher: DynamicBatcher[str, str] = DynamicBatcher(lambda items: list(items))
+    batcher.start()
+    batcher.close()
+    with pytest.raises(BatcherClosedError):
+        batcher.submit_many([("a", None, 0, 0.0)])

@@ -10,6 +10,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select
@@ -60,7 +61,11 @@ def _wait(predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
 
 
 def test_samples_are_stored_receipted_and_verified(
-    make_settings, broker, topics, database_url, collector_factory
+    make_settings: Callable[..., CloudSettings],
+    broker: Any,
+    topics: Topics,
+    database_url: str,
+    collector_factory: Any,
 ) -> None:
     fleet, agent = "fleet-a", "cam-1"
     collector = collector_factory(
@@ -111,7 +116,7 @@ def test_samples_are_stored_receipted_and_verified(
 
 
 def test_every_malformed_case_lands_in_dead_letters_with_its_reason(
-    make_settings, broker, topics, database_url
+    make_settings: Callable[..., CloudSettings], broker: Any, topics: Topics, database_url: str
 ) -> None:
     fleet, agent = "fleet-a", "cam-1"
     topic = topics.samples(fleet, agent)
@@ -162,7 +167,7 @@ def test_every_malformed_case_lands_in_dead_letters_with_its_reason(
 
 
 def test_agent_status_and_last_will_update_the_agents_table(
-    make_settings, broker, topics, database_url
+    make_settings: Callable[..., CloudSettings], broker: Any, topics: Topics, database_url: str
 ) -> None:
     fleet, agent = "fleet-a", "cam-9"
     with running_worker(make_settings, broker, topics, database_url) as worker:
@@ -197,3 +202,48 @@ def test_agent_status_and_last_will_update_the_agents_table(
             row = session.get(Agent, agent)
             assert row is not None and row.model_version == "s-7"
             assert row.telemetry.get("frames_per_s") is None  # the offline status replaced it
+
+
+def _smooth_jpeg(height: int, width: int) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([x * 255 // width, y * 255 // height, (x + y) % 256], axis=-1)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(buffer, format="JPEG", quality=95)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(("source", "size"), [((208, 208), (64, 64)), ((64, 96), (64, 64))])
+def test_decode_image_scales_to_the_teacher_input(
+    source: tuple[int, int], size: tuple[int, int]
+) -> None:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from cloud_service.verifier import decode_image
+
+    data = _smooth_jpeg(*source)
+    got = decode_image(data, size)
+    assert got.shape == (*size, 3) and got.dtype == np.uint8 and got.flags.c_contiguous
+    # Same picture as a full decode resized by Pillow, up to JPEG and filter differences.
+    with Image.open(io.BytesIO(data)) as image:
+        want = np.asarray(image.convert("RGB").resize(size[::-1], Image.Resampling.BOX))
+    assert np.abs(got.astype(int) - want.astype(int)).mean() < 4
+    assert decode_image(data, None).shape == (*source, 3)
+
+
+def test_decode_image_refuses_a_truncated_jpeg_and_garbage() -> None:
+    from cloud_service.verifier import decode_image
+    from shared.errors import ImageError
+
+    data = _smooth_jpeg(64, 64)
+    with pytest.raises(ImageError, match="truncated"):
+        decode_image(data[: len(data) // 2], (64, 64))
+    with pytest.raises(ImageError):
+        decode_image(b"\xff\xd8 not really a jpeg", (64, 64))

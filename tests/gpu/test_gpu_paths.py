@@ -69,3 +69,25 @@ def test_tensorrt_teacher_with_derived_profiles(tmp_path: Path) -> None:
     assert teacher.info.provider == "TensorrtExecutionProvider"
     scores = teacher.predict(np.zeros((32, 64, 64, 3), np.uint8))
     assert scores.shape[0] == 32
+
+
+def test_cuda_teacher_runs_the_kernel_path(tmp_path: Path) -> None:
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu without CUDAExecutionProvider")
+    from cloud_service.verifier import TeacherModel
+
+    model = _teacher(tmp_path)
+    gpu = TeacherModel(model, providers=["CUDAExecutionProvider"])
+    graph = TeacherModel(model, providers=["CUDAExecutionProvider"], gpu_kernels=False)
+    cpu = TeacherModel(model, providers=["CPUExecutionProvider"])
+    assert gpu.preprocessing == "kernels" and graph.preprocessing == "graph"
+    frames = np.random.default_rng(2).integers(0, 256, (32, 64, 64, 3), dtype=np.uint8)
+    want = cpu.score(frames)
+    for _ in range(2):
+        got = gpu.score(frames)
+        assert gpu.preprocessing == "kernels"  # no fallback happened
+        np.testing.assert_allclose(got.probs, want.probs, atol=1e-3)
+        np.testing.assert_allclose(got.entropy, want.entropy, atol=1e-3)
+    np.testing.assert_allclose(graph.predict(frames), want.probs, atol=1e-3)
