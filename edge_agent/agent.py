@@ -10,9 +10,13 @@ Entering starts the named background threads and stopping ends them in reverse:
 - ``uplink-pump``     publishes due spool entries while the link is up
 - ``heartbeat-loop``  publishes the retained AgentStatus every ``heartbeat_s``
 - ``mqtt-io``         (MqttLink) the one thread that touches paho
-- ``webhook-loop``    posts verdicts to the user's application, when configured
+- ``webhook-loop``    posts verdicts to the user's application, when configured (a bounded
+                      queue, retries with jittered backoff; inference never waits for it)
 - ``model-updater``   (ModelUpdater) verifies, downloads and swaps in announced models
 - one thread per camera and folder source
+
+Verdicts are also kept in the spool's SQLite file (``VerdictStore``, the newest
+``verdicts_kept``), so ``GET /v1/samples/{id}`` still shows them after a restart.
 
 Every I/O edge is a constructor argument (engine, publisher, clock), so tests swap
 the expensive ones for doubles and keep the cheap real ones (SQLite, Mosquitto).
@@ -21,14 +25,16 @@ the expensive ones for doubles and keep the cheap real ones (SQLite, Mosquitto).
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import queue
 import random
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
@@ -36,17 +42,24 @@ from typing import Any
 
 import numpy as np
 
-from edge_agent.batcher import BatchResult, MicroBatcher
+from edge_agent.batcher import BatchResult, MicroBatcher, WorkerPool
 from edge_agent.engine import Engine, EngineOptions, OrtEngine
-from edge_agent.imaging import DecodedImage, decode_image, encode_for_upload, resize_for_model
+from edge_agent.imaging import (
+    DecodedImage,
+    ModelFrame,
+    decode_for_model,
+    decode_image,
+    encode_for_upload,
+    resize_for_model,
+)
 from edge_agent.routing import Decision, Router
 from edge_agent.settings import AgentSettings
 from edge_agent.spool import Spool
 from edge_agent.telemetry import Telemetry
 from edge_agent.updates import ModelUpdater, active_model_path
-from edge_agent.uplink import MqttLink, Publisher
+from edge_agent.uplink import Backoff, MqttLink, Publisher
 from shared.envelope import encode_envelope
-from shared.errors import EdgeLoopError, MessageError
+from shared.errors import EdgeLoopError, MessageError, StoreError
 from shared.ids import new_sample_id
 from shared.images import ImageInfo
 from shared.messages import (
@@ -58,7 +71,7 @@ from shared.messages import (
     encode_message,
 )
 
-__all__ = ["Agent", "FrameResult", "build_engine", "build_publisher"]
+__all__ = ["Agent", "FrameResult", "VerdictStore", "build_engine", "build_publisher"]
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +95,88 @@ class FrameResult:
     source: str
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # Flat fields only: cheaper than dataclasses.asdict's deep copy on the hot path.
+        return {name: getattr(self, name) for name in _RESULT_FIELDS}
+
+
+_RESULT_FIELDS = tuple(f.name for f in fields(FrameResult))
+
+
+class VerdictStore:
+    """Verdicts by sample id in their own table of the spool's SQLite file, newest kept.
+
+    The edge's answer is stored beside a verdict when the agent still holds it. Writes
+    come at the verdict rate (forwarded samples only), so one locked connection is plenty.
+    """
+
+    def __init__(self, path: Path, *, keep: int) -> None:
+        self.path = Path(path)
+        self.keep = keep
+        self._lock = threading.Lock()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(
+                str(self.path), check_same_thread=False, isolation_level=None, timeout=10.0
+            )
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS verdicts ("
+                " seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+                " sample_id TEXT NOT NULL UNIQUE,"
+                " received_at REAL NOT NULL,"
+                " verdict TEXT NOT NULL,"
+                " result TEXT)"
+            )
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the verdict store at {self.path}: {exc}") from exc
+
+    def put(
+        self, sample_id: str, verdict: dict[str, Any], result: dict[str, Any] | None, now: float
+    ) -> None:
+        """Store (or replace) the verdict for ``sample_id``; drop the oldest beyond ``keep``."""
+        try:
+            with self._lock:
+                cursor = self._db.execute(
+                    "INSERT INTO verdicts (sample_id, received_at, verdict, result)"
+                    " VALUES (?, ?, ?, ?) ON CONFLICT(sample_id) DO UPDATE SET"
+                    " received_at = excluded.received_at, verdict = excluded.verdict,"
+                    " result = COALESCE(excluded.result, result)",
+                    (
+                        sample_id,
+                        now,
+                        json.dumps(verdict),
+                        json.dumps(result) if result is not None else None,
+                    ),
+                )
+                newest = cursor.lastrowid or 0
+                self._db.execute("DELETE FROM verdicts WHERE seq <= ?", (newest - self.keep,))
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot store the verdict for {sample_id}: {exc}") from exc
+
+    def get(self, sample_id: str) -> dict[str, Any] | None:
+        """``{"verdict": ..., "result": ...}`` (result when known) or None."""
+        try:
+            with self._lock:
+                row = self._db.execute(
+                    "SELECT verdict, result FROM verdicts WHERE sample_id = ?", (sample_id,)
+                ).fetchone()
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot read the verdict for {sample_id}: {exc}") from exc
+        if row is None:
+            return None
+        entry: dict[str, Any] = {"verdict": json.loads(row[0])}
+        if row[1] is not None:
+            entry["result"] = json.loads(row[1])
+        return entry
+
+    def count(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM verdicts").fetchone()[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
 
 
 def build_engine(settings: AgentSettings, path: Path | None = None) -> OrtEngine:
@@ -90,6 +184,7 @@ def build_engine(settings: AgentSettings, path: Path | None = None) -> OrtEngine
     options = EngineOptions(
         providers=tuple(settings.providers) if settings.providers else None,
         intra_op_threads=settings.intra_op_threads,
+        spinning=settings.ort_spinning,
         trt_cache_dir=settings.resolved_trt_cache_dir,
         trt_fp16=settings.trt_fp16,
         trt_int8=settings.trt_int8,
@@ -168,7 +263,7 @@ class Agent:
         self._spooled = threading.Event()  # wakes the uplink pump
         self._threads: list[threading.Thread] = []
         self._sources: list[Any] = []
-        self._webhook_queue: queue.Queue[dict[str, Any]] = queue.Queue(1000)
+        self._webhook_queue: queue.Queue[dict[str, Any]] = queue.Queue(settings.webhook_queue)
         self.ready = False
         self.started_at = time.monotonic()
         self.spool_errors = 0
@@ -181,13 +276,14 @@ class Agent:
         self.spool = Spool(
             s.resolved_spool_path, max_bytes=s.spool_max_bytes, max_samples=s.spool_max_samples
         )
+        self.verdicts = VerdictStore(s.resolved_spool_path, keep=s.verdicts_kept)
         self.router = Router(
             s.routing_policy, labels=list(self.engine.labels), clock=self.clock, rng=self._rng
         )
         self.batcher = MicroBatcher(
             self.engine, max_batch=s.max_batch, max_wait_s=s.max_wait_ms / 1000.0
         ).start()
-        self._post = ThreadPoolExecutor(max_workers=2, thread_name_prefix="agent-post")
+        self._post = WorkerPool(2, name="agent-post")
         self.publisher: Publisher = self._publisher_arg or build_publisher(s)
         self.updater = ModelUpdater(
             s,
@@ -220,8 +316,12 @@ class Agent:
         from edge_agent.sources.camera import CameraReader
         from edge_agent.sources.folder import FolderWatcher
 
+        batch = max(1, self.settings.max_batch)
         for camera in self.settings.cameras:
-            self._sources.append(CameraReader(camera, self).start())
+            # A video file may keep two batches in flight, so its reader decodes the next
+            # batch while one is inferred; a live camera keeps one, to answer fresh frames.
+            inflight = 2 * batch if Path(camera.uri).is_file() else batch
+            self._sources.append(CameraReader(camera, self, max_inflight=inflight).start())
         for folder in self.settings.folders:
             self._sources.append(FolderWatcher(folder, self).start())
 
@@ -251,6 +351,7 @@ class Agent:
                 flush(2.0)
         self.publisher.stop()
         self.spool.close()
+        self.verdicts.close()
 
     def __enter__(self) -> Agent:
         return self.start()
@@ -276,6 +377,15 @@ class Agent:
             body, max_bytes=self.settings.max_image_bytes, max_pixels=self.settings.max_pixels
         )
 
+    def decode_for_model(self, body: bytes) -> ModelFrame:
+        """Check an upload and decode it straight to the model's input (raises ImageRejected)."""
+        return decode_for_model(
+            body,
+            self.engine.input_hw,
+            max_bytes=self.settings.max_image_bytes,
+            max_pixels=self.settings.max_pixels,
+        )
+
     def submit(
         self,
         rgb: np.ndarray,
@@ -287,8 +397,30 @@ class Agent:
     ) -> Future[FrameResult]:
         """Queue one RGB frame; the future resolves with the answer (routing included)."""
         started = time.perf_counter()
-        captured_at = datetime.now(UTC)
         tensor = resize_for_model(rgb, self.engine.input_hw)
+        return self._submit(tensor, rgb, source, encoded, info, started, block)
+
+    def submit_frame(
+        self, frame: ModelFrame, *, source: str, block: bool = True
+    ) -> Future[FrameResult]:
+        """Queue an upload already decoded at the model's size (``decode_for_model``)."""
+        started = time.perf_counter()
+        tensor = frame.tensor
+        if tensor.shape[:2] != self.engine.input_hw:  # the model was swapped meanwhile
+            tensor = resize_for_model(tensor, self.engine.input_hw)
+        return self._submit(tensor, None, source, frame.encoded, frame.info, started, block)
+
+    def _submit(
+        self,
+        tensor: np.ndarray,
+        rgb: np.ndarray | None,
+        source: str,
+        encoded: bytes | None,
+        info: ImageInfo | None,
+        started: float,
+        block: bool,
+    ) -> Future[FrameResult]:
+        captured_at = datetime.now(UTC)
         inner = self.batcher.submit(tensor, block=block)
         outer: Future[FrameResult] = Future()
 
@@ -318,13 +450,13 @@ class Agent:
 
     def process_upload(self, body: bytes, *, source: str = "http") -> FrameResult:
         """Decode and answer one uploaded JPEG/PNG (blocking)."""
-        image = self.decode(body)
-        return self.process(image.rgb, source=source, encoded=image.encoded, info=image.info)
+        frame = self.decode_for_model(body)
+        return self.submit_frame(frame, source=source).result(self.settings.infer_timeout_s)
 
     def _finish(
         self,
         batch: BatchResult,
-        rgb: np.ndarray,
+        rgb: np.ndarray | None,
         source: str,
         encoded: bytes | None,
         info: ImageInfo | None,
@@ -373,7 +505,7 @@ class Agent:
         decision: Decision,
         scores: np.ndarray,
         engine: Engine,
-        rgb: np.ndarray,
+        rgb: np.ndarray | None,
         encoded: bytes | None,
         info: ImageInfo | None,
         captured_at: datetime,
@@ -381,14 +513,27 @@ class Agent:
     ) -> bool:
         s = self.settings
         try:
-            image, image_info = encode_for_upload(
-                rgb,
-                original=encoded,
-                original_info=info,
-                max_side=s.upload_max_side,
-                quality=s.upload_jpeg_quality,
-                recompress=s.upload_recompress,
-            )
+            if (
+                rgb is None
+                and encoded is not None
+                and info is not None
+                and not s.upload_recompress
+                and max(info.width, info.height) <= s.upload_max_side
+            ):
+                image, image_info = encoded, info  # an upload forwarded as received
+            else:
+                if rgb is None:
+                    # Decoded at the model's size only: decode the full frame to re-encode it.
+                    assert encoded is not None
+                    rgb = self.decode(encoded).rgb
+                image, image_info = encode_for_upload(
+                    rgb,
+                    original=encoded,
+                    original_info=info,
+                    max_side=s.upload_max_side,
+                    quality=s.upload_jpeg_quality,
+                    recompress=s.upload_recompress,
+                )
             header = SampleHeader(
                 sample_id=sample_id,
                 fleet=s.fleet,
@@ -435,7 +580,17 @@ class Agent:
         """The answer and (when it has arrived) the teacher's verdict for a sample id."""
         with self._results_lock:
             entry = self._results.get(sample_id)
-            return dict(entry) if entry is not None else None
+            found = dict(entry) if entry is not None else None
+        if found is not None and "verdict" in found:
+            return found
+        try:
+            stored = self.verdicts.get(sample_id)
+        except StoreError as exc:
+            log.warning("%s", exc)
+            stored = None
+        if stored is None:
+            return found
+        return {**stored, **(found or {})}
 
     # --- the uplink ----------------------------------------------------------------------
 
@@ -449,7 +604,10 @@ class Agent:
     def _pump_loop(self) -> None:
         resend = self.settings.resend_after_s
         while not self._stopping.is_set():
-            self._spooled.wait(0.25)  # also wakes for resends after the timeout
+            if self._spooled.wait(0.25):  # also wakes for resends after the timeout
+                # Gather what else is spooled meanwhile: one read and one sent-mark for the
+                # lot instead of a transaction pair per sample, for a few ms of delay.
+                self._stopping.wait(self.settings.uplink_coalesce_ms / 1000.0)
             self._spooled.clear()
             while not self._stopping.is_set() and self.publisher.connected:
                 if self.publisher.backlog >= 200:
@@ -492,30 +650,60 @@ class Agent:
         with self._results_lock:
             entry = self._results.setdefault(verdict.sample_id, {})
             entry["verdict"] = data
+            result = entry.get("result")
+        try:
+            self.verdicts.put(verdict.sample_id, data, result, now=self.clock())
+        except StoreError as exc:  # still answered from memory; only a restart would lose it
+            log.warning("%s", exc)
         if self.settings.webhook_url:
             try:
                 self._webhook_queue.put_nowait(data)
             except queue.Full:
+                self.telemetry.webhook.labels("dropped").inc()
                 log.warning("webhook queue full; verdict %s not posted", verdict.sample_id)
 
     def _webhook_loop(self) -> None:
         import httpx
 
-        url = self.settings.webhook_url
+        s = self.settings
+        url = s.webhook_url
         assert url is not None
-        with httpx.Client(timeout=5.0) as client:
+        counts = self.telemetry.webhook
+        with httpx.Client(timeout=s.webhook_timeout_s) as client:
             while not self._stopping.is_set():
                 try:
                     data = self._webhook_queue.get(timeout=0.5)
                 except queue.Empty:
                     continue
-                for attempt in range(3):
+                backoff = Backoff(s.webhook_backoff_min_s, s.webhook_backoff_max_s, self._rng)
+                for attempt in range(1, s.webhook_attempts + 1):
                     try:
-                        client.post(url, json=data).raise_for_status()
-                        break
+                        response = client.post(url, json=data)
                     except httpx.HTTPError as exc:
-                        log.warning("webhook %s failed (%s), attempt %d", url, exc, attempt + 1)
-                        self._stopping.wait(0.5 * 2**attempt)
+                        problem, permanent = f"{type(exc).__name__}: {exc}", False
+                    else:
+                        if response.is_success:
+                            counts.labels("delivered").inc()
+                            break
+                        problem = f"HTTP {response.status_code}"
+                        # A refusal (4xx) will not change on a retry; overload or timeout may.
+                        permanent = response.is_client_error and response.status_code not in (
+                            408,
+                            429,
+                        )
+                    if permanent or attempt == s.webhook_attempts:
+                        counts.labels("failed").inc()
+                        log.warning(
+                            "webhook %s: gave up on verdict %s after %d attempt(s): %s",
+                            url,
+                            data.get("sample_id"),
+                            attempt,
+                            problem,
+                        )
+                        break
+                    counts.labels("retried").inc()
+                    if self._stopping.wait(backoff.next_delay()):
+                        break
 
     # --- status ----------------------------------------------------------------------------
 
@@ -528,6 +716,7 @@ class Agent:
         t.evicted.labels("audit").set(spool.evicted_audit)
         t.evicted.labels("oldest").set(spool.evicted_oldest)
         t.connected.set(int(self.publisher.connected))
+        t.webhook_pending.set(self._webhook_queue.qsize())
         snap = t.snapshot()
         return {
             "fleet": self.settings.fleet,

@@ -14,15 +14,17 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 
 from edge_agent.engine import Engine
 from shared.errors import EdgeLoopError, ModelError
 
-__all__ = ["BatchResult", "MicroBatcher"]
+__all__ = ["BatchResult", "MicroBatcher", "WorkerPool"]
 
 log = logging.getLogger(__name__)
 
@@ -165,3 +167,55 @@ class MicroBatcher:
             self.frames += len(live)
             for row, (_, fut) in zip(scores, live, strict=True):
                 fut.set_result(BatchResult(row, engine, len(live)))
+
+
+class WorkerPool:
+    """A few named threads taking jobs from one queue: ``pool.submit(fn, *args)``.
+
+    The per-frame stages (decoding an upload, routing an answer) hand over thousands
+    of small jobs a second; a plain ``SimpleQueue`` costs a fraction of what an
+    executor's futures and bookkeeping do, and these jobs report through their own
+    futures anyway. A job that raises is logged; the thread keeps serving.
+    """
+
+    def __init__(self, workers: int, *, name: str) -> None:
+        if workers < 1:
+            raise ValueError("a worker pool needs at least one thread")
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., object], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run ``fn(*args)`` on a pool thread; RuntimeError once the pool is shut down."""
+        if self._closed:
+            raise RuntimeError("the worker pool is shut down")
+        self._jobs.put((fn, args))
+
+    def shutdown(self, *, wait: bool = True, timeout: float = 5.0) -> None:
+        """Finish the queued jobs, then stop the threads."""
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._threads:
+            self._jobs.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join(timeout)
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args = job
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("a %s job failed", threading.current_thread().name)

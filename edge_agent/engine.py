@@ -59,6 +59,9 @@ class EngineOptions:
 
     providers: tuple[str, ...] | None = None  # None: PREFERENCE filtered by what is present
     intra_op_threads: int = 0  # 0: ORT's default (one per core)
+    # ORT's intra-op threads spin between batches by default; off, they sleep and leave
+    # the cores to the threads that decode the next frames.
+    spinning: bool = True
     trt_cache_dir: Path | None = None
     trt_fp16: bool = True
     trt_int8: bool = False
@@ -103,6 +106,8 @@ class OrtEngine:
         if self.options.intra_op_threads:
             opts.intra_op_num_threads = self.options.intra_op_threads
         opts.inter_op_num_threads = 1
+        if not self.options.spinning:
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.graph_optimization_level = self._ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         return opts
 

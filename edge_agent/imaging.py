@@ -3,6 +3,13 @@
 Limits are checked before any pixel is decoded: the byte count first, then the
 format and dimensions that ``shared.probe_image`` reads from the header alone, so
 a 100-megapixel bomb costs a few microseconds to refuse.
+
+``decode_for_model`` is the upload hot path: OpenCV decodes (releasing the GIL, so
+decoding overlaps inference), a JPEG at least twice or four times the model's input
+is decoded at a half or a quarter of its size by the JPEG decoder itself (far
+cheaper than decoding every pixel and shrinking afterwards), and the frame is
+resized in BGR and only then converted to RGB, at the model's size. Anything
+OpenCV refuses is decoded again by Pillow, whose error says what was wrong.
 """
 
 from __future__ import annotations
@@ -22,8 +29,12 @@ __all__ = [
     "ACCEPTED",
     "DecodedImage",
     "ImageRejected",
+    "ModelFrame",
+    "check_upload",
+    "decode_for_model",
     "decode_image",
     "encode_for_upload",
+    "reduction_flag",
     "resize_for_model",
 ]
 
@@ -48,8 +59,17 @@ class DecodedImage:
     encoded: bytes
 
 
-def decode_image(data: bytes, *, max_bytes: int, max_pixels: int) -> DecodedImage:
-    """Check limits, then decode a JPEG or PNG to RGB; raise ImageRejected with what is accepted."""
+@dataclass(frozen=True)
+class ModelFrame:
+    """An upload ready for the model: the RGB tensor at the model's size, and the bytes."""
+
+    tensor: np.ndarray  # uint8 [h, w, 3], the model's input size
+    info: ImageInfo
+    encoded: bytes
+
+
+def check_upload(data: bytes, *, max_bytes: int, max_pixels: int) -> ImageInfo:
+    """The limits, from the byte count and the header alone; raise ImageRejected when over."""
     if not data:
         raise ImageRejected(f"the request body is empty: send {ACCEPTED}", reason="empty")
     if len(data) > max_bytes:
@@ -71,6 +91,12 @@ def decode_image(data: bytes, *, max_bytes: int, max_pixels: int) -> DecodedImag
             reason="too_many_pixels",
             status=413,
         )
+    return info
+
+
+def decode_image(data: bytes, *, max_bytes: int, max_pixels: int) -> DecodedImage:
+    """Check limits, then decode a JPEG or PNG to RGB; raise ImageRejected with what is accepted."""
+    info = check_upload(data, max_bytes=max_bytes, max_pixels=max_pixels)
     try:
         with warnings.catch_warnings():
             # PIL warns (and our test config turns warnings into errors) on odd metadata.
@@ -86,8 +112,39 @@ def decode_image(data: bytes, *, max_bytes: int, max_pixels: int) -> DecodedImag
     return DecodedImage(rgb=rgb, info=info, encoded=data)
 
 
+def reduction_flag(info: ImageInfo, hw: tuple[int, int]) -> int:
+    """The ``cv2.imdecode`` flag that decodes a JPEG at 1/4 or 1/2 scale when it stays >= ``hw``."""
+    if info.format != "jpeg":
+        return cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION
+    h, w = hw
+    for factor, flag in ((4, cv2.IMREAD_REDUCED_COLOR_4), (2, cv2.IMREAD_REDUCED_COLOR_2)):
+        if info.width >= factor * w and info.height >= factor * h:
+            return int(flag) | cv2.IMREAD_IGNORE_ORIENTATION
+    return cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION
+
+
+def decode_for_model(
+    data: bytes, hw: tuple[int, int], *, max_bytes: int, max_pixels: int
+) -> ModelFrame:
+    """Check limits, decode and resize a JPEG or PNG to the model's RGB input.
+
+    The one decode path for uploads, shared by the agent and its benchmark baseline.
+    """
+    info = check_upload(data, max_bytes=max_bytes, max_pixels=max_pixels)
+    try:
+        bgr = cv2.imdecode(np.frombuffer(data, np.uint8), reduction_flag(info, hw))
+    except cv2.error:
+        bgr = None
+    if bgr is None:
+        # OpenCV says only "no image": Pillow's decoder names the problem (or succeeds).
+        rgb = decode_image(data, max_bytes=max_bytes, max_pixels=max_pixels).rgb
+        return ModelFrame(resize_for_model(rgb, hw), info, data)
+    small = resize_for_model(bgr, hw)
+    return ModelFrame(cv2.cvtColor(small, cv2.COLOR_BGR2RGB), info, data)
+
+
 def resize_for_model(rgb: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
-    """RGB [H, W, 3] -> uint8 [h, w, 3] at the model's size (area filter when shrinking)."""
+    """[H, W, 3] -> uint8 [h, w, 3] at the model's size (area filter when shrinking)."""
     h, w = hw
     if rgb.shape[0] == h and rgb.shape[1] == w:
         return np.ascontiguousarray(rgb, dtype=np.uint8)

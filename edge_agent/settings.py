@@ -79,6 +79,11 @@ class AgentSettings(EdgeLoopSettings):
         default=None, description="ORT providers by preference; default TensorRT, CUDA, CPU"
     )
     intra_op_threads: int = Field(default=0, ge=0)
+    ort_spinning: bool = Field(
+        default=False,
+        description="ORT threads spin between batches (off: they sleep, leaving the cores"
+        " to the decode threads)",
+    )
     trt_fp16: bool = True
     trt_int8: bool = False
     trt_cache_dir: Path | None = None
@@ -125,6 +130,9 @@ class AgentSettings(EdgeLoopSettings):
     spool_max_bytes: int = Field(default=256 << 20, ge=1 << 16)
     spool_max_samples: int = Field(default=100_000, ge=1)
     resend_after_s: float = Field(default=30.0, gt=0)
+    uplink_coalesce_ms: float = Field(
+        default=10.0, ge=0, le=1000, description="wait to publish newly spooled samples together"
+    )
     mqtt_protocol: Literal["auto", "5", "3.1.1"] = "auto"
     mqtt_keepalive_s: int = Field(default=30, ge=5)
     reconnect_min_s: float = Field(default=0.5, gt=0)
@@ -133,10 +141,23 @@ class AgentSettings(EdgeLoopSettings):
 
     # Sources and results.
     http_max_fps: float | None = Field(default=None, gt=0, description="None: unlimited")
+    http_decode_threads: int = Field(
+        default=2, ge=1, le=64, description="threads decoding uploads beside inference"
+    )
     cameras: list[CameraSource] = Field(default_factory=list)
     folders: list[FolderSource] = Field(default_factory=list)
     results_kept: int = Field(default=10_000, ge=1)
+    verdicts_kept: int = Field(
+        default=100_000, ge=1, description="verdicts kept in the spool database, newest first"
+    )
+
+    # Verdicts posted to the user's application (off when webhook_url is None).
     webhook_url: str | None = None
+    webhook_queue: int = Field(default=1000, ge=1, description="verdicts waiting to be posted")
+    webhook_attempts: int = Field(default=5, ge=1, le=100)
+    webhook_timeout_s: float = Field(default=5.0, gt=0)
+    webhook_backoff_min_s: float = Field(default=0.5, gt=0)
+    webhook_backoff_max_s: float = Field(default=30.0, gt=0)
 
     @field_validator("fleet")
     @classmethod
@@ -147,6 +168,13 @@ class AgentSettings(EdgeLoopSettings):
     @classmethod
     def _check_agent(cls, value: str) -> str:
         return _as_value_error(validate_id, value, "agent")
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _check_webhook(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"webhook_url must be an http:// or https:// URL, got {value!r}")
+        return value
 
     @field_validator("model_path", "spool_path", "trt_cache_dir", mode="after")
     @classmethod

@@ -66,6 +66,15 @@ class Telemetry:
             buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=r,
         )
+        self.webhook = Counter(
+            "edgeloop_agent_webhook_verdicts",
+            "Verdicts for the webhook: delivered, retried (each retry), failed, dropped",
+            ["outcome"],
+            registry=r,
+        )
+        self.webhook_pending = Gauge(
+            "edgeloop_agent_webhook_pending", "Verdicts waiting for the webhook", registry=r
+        )
         self.spool_depth = Gauge("edgeloop_agent_spool_depth", "Samples in the spool", registry=r)
         self.spool_bytes = Gauge("edgeloop_agent_spool_bytes", "Bytes in the spool", registry=r)
         self.evicted = Gauge(

@@ -1,15 +1,27 @@
 """The local HTTP API: ``POST /v1/frames`` and the health, status and metrics routes.
 
 Routes stay thin: check the request, hand the bytes to the agent, shape the answer.
-Decoding runs in the thread pool and inference on the agent's inference thread, so
-the event loop only moves bytes.
+
+``POST /v1/frames`` with a JPEG or PNG body is the hot path, so it does not go
+through FastAPI's middleware, routing and request objects: ``AgentApi`` reads the
+body itself, and one job on the decode pool checks, decodes (OpenCV,
+GIL released, so decoding overlaps inference) and queues the frame for the
+micro-batcher; the answer comes back to the event loop as ready-made JSON bytes,
+with one cross-thread wake-up per request. Multipart uploads and refusals of
+other content types go through the FastAPI route. Both share one rate limit:
+over it, a 429 with ``Retry-After``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import math
+import queue
 import threading
 import time
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -17,88 +29,276 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from edge_agent.batcher import WorkerPool
 from edge_agent.imaging import ACCEPTED, ACCEPTED_CONTENT_TYPES, ImageRejected
 from edge_agent.sources import RateLimiter
 from shared.errors import EdgeLoopError, TransportError
 
 if TYPE_CHECKING:
-    from edge_agent.agent import Agent
+    from edge_agent.agent import Agent, FrameResult
 
-__all__ = ["ApiServer", "create_app"]
+__all__ = ["AgentApi", "ApiServer", "create_app"]
 
 SOURCE = "http"
 _ACCEPTED_TYPES = (*ACCEPTED_CONTENT_TYPES, "multipart/form-data")
+_RAW_TYPES = tuple(t.encode("ascii") for t in ACCEPTED_CONTENT_TYPES)
+_HEADER_SLACK = 65536  # multipart framing around the image
+
+
+def _refusal(message: str, reason: str) -> dict[str, str]:
+    return {
+        "detail": message,
+        "reason": reason,
+        "accepted": ACCEPTED + ", or multipart/form-data with one file part",
+    }
 
 
 def _refuse(status: int, message: str, reason: str) -> JSONResponse:
-    return JSONResponse(
-        {
-            "detail": message,
-            "reason": reason,
-            "accepted": ACCEPTED + ", or multipart/form-data with one file part",
-        },
-        status_code=status,
-    )
+    return JSONResponse(_refusal(message, reason), status_code=status)
 
 
-def create_app(agent: Agent) -> FastAPI:
+class _Frames:
+    """What both upload paths share: limits, the rate limit, the decode pool, refusals."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        settings = agent.settings
+        self.max_bytes = settings.max_image_bytes
+        self.timeout_s = settings.infer_timeout_s
+        self.max_fps = settings.http_max_fps
+        self.limiter = RateLimiter(self.max_fps) if self.max_fps else None
+        self.pool = WorkerPool(settings.http_decode_threads, name="http-decode")
+
+    def count_refusal(self, reason: str) -> None:
+        self.agent.telemetry.bad_input.labels(SOURCE, reason).inc()
+
+    def over_declared_size(self, declared: bytes | str | None) -> str | None:
+        """A refusal message when the declared Content-Length is over the limit."""
+        if declared is None or not declared.isdigit():
+            return None
+        size = int(declared)
+        if size <= self.max_bytes + _HEADER_SLACK:
+            return None
+        return f"request of {size} bytes is over the limit of {self.max_bytes} image bytes"
+
+    def rate_limited(self) -> tuple[str, int] | None:
+        """(message, Retry-After seconds) when this upload is over the HTTP source's rate."""
+        if self.limiter is None or self.limiter.try_take():
+            return None
+        wait = self.limiter.wait_time()
+        return (
+            f"frame rate over this source's limit of {self.max_fps:g} frames/s;"
+            f" retry in {wait:.2f} s",
+            max(1, math.ceil(wait)),
+        )
+
+    def answer(self, body: bytes, loop: asyncio.AbstractEventLoop) -> asyncio.Future[bytes]:
+        """Decode and queue ``body``; the asyncio future resolves with the answer's JSON."""
+        waiter: asyncio.Future[bytes] = loop.create_future()
+        self.pool.submit(self._decode_and_queue, body, loop, waiter)
+        return waiter
+
+    def _decode_and_queue(
+        self, body: bytes, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[bytes]
+    ) -> None:
+        # On a decode thread: decoding releases the GIL, so several run beside inference.
+        try:
+            frame = self.agent.decode_for_model(body)
+            future = self.agent.submit_frame(frame, source=SOURCE)
+        except BaseException as exc:
+            _settle(loop, waiter, None, exc)
+            return
+
+        def done(finished: Future[FrameResult]) -> None:
+            try:
+                data = json.dumps(finished.result().as_dict()).encode()
+            except BaseException as exc:
+                _settle(loop, waiter, None, exc)
+            else:
+                _settle(loop, waiter, data, None)
+
+        future.add_done_callback(done)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+
+
+def _settle(
+    loop: asyncio.AbstractEventLoop,
+    waiter: asyncio.Future[bytes],
+    data: bytes | None,
+    error: BaseException | None,
+) -> None:
+    def apply() -> None:
+        if waiter.done():  # timed out meanwhile
+            return
+        if error is not None:
+            waiter.set_exception(error)
+        else:
+            assert data is not None
+            waiter.set_result(data)
+
+    # RuntimeError: the server's loop is closed, so nobody is waiting any more.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(apply)
+
+
+def _failure(exc: BaseException) -> tuple[int, dict[str, str]]:
+    """Status and body for an upload that got no answer."""
+    if isinstance(exc, ImageRejected):
+        return exc.status, _refusal(exc.message, exc.reason)
+    if isinstance(exc, TimeoutError):
+        return 503, _refusal("inference timed out; the agent is overloaded", "timeout")
+    if isinstance(exc, queue.Full):
+        return 503, _refusal("the inference queue is full; the agent is overloaded", "overloaded")
+    if isinstance(exc, EdgeLoopError):
+        return 503, _refusal(f"inference failed: {exc}", exc.reason)
+    return 503, _refusal(f"inference failed: {exc}", "error")
+
+
+class AgentApi(FastAPI):
+    """The agent's FastAPI app; ``POST /v1/frames`` with a JPEG/PNG body skips its stack."""
+
+    frames: _Frames | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        frames = self.frames
+        if (
+            frames is not None
+            and scope["type"] == "http"
+            and scope["path"] == "/v1/frames"
+            and scope["method"] == "POST"
+        ):
+            content_type = b""
+            declared: bytes | None = None
+            for name, value in scope["headers"]:
+                if name == b"content-type":
+                    content_type = value.split(b";", 1)[0].strip().lower()
+                elif name == b"content-length":
+                    declared = value
+            if content_type in _RAW_TYPES:
+                await _post_frame(frames, declared, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
+async def _post_frame(
+    frames: _Frames, declared: bytes | None, receive: Receive, send: Send
+) -> None:
+    too_large = frames.over_declared_size(declared)
+    if too_large is not None:
+        frames.count_refusal("too_large")
+        await _send_json(send, 413, _refusal(too_large, "too_large"))
+        return
+    limited = frames.rate_limited()
+    if limited is not None:
+        frames.count_refusal("rate_limited")
+        why, retry_after = limited
+        await _send_json(send, 429, _refusal(why, "rate_limited"), retry_after=retry_after)
+        return
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > frames.max_bytes + _HEADER_SLACK:  # chunked, with no declared length
+            frames.count_refusal("too_large")
+            over = f"request body over the limit of {frames.max_bytes} image bytes"
+            await _send_json(send, 413, _refusal(over, "too_large"))
+            return
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    try:
+        async with asyncio.timeout(frames.timeout_s):
+            data = await frames.answer(body, asyncio.get_running_loop())
+    except Exception as exc:
+        status, refusal = _failure(exc)
+        if isinstance(exc, ImageRejected):
+            frames.count_refusal(exc.reason)
+        await _send_json(send, status, refusal)
+        return
+    await _send(send, 200, data)
+
+
+async def _send_json(
+    send: Send, status: int, body: dict[str, Any], *, retry_after: int | None = None
+) -> None:
+    extra = [(b"retry-after", str(retry_after).encode())] if retry_after is not None else []
+    await _send(send, status, json.dumps(body).encode(), extra)
+
+
+async def _send(
+    send: Send, status: int, data: bytes, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(data)).encode()),
+        *(extra or []),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+def create_app(agent: Agent) -> AgentApi:
     """The agent's HTTP API as a FastAPI app (served by uvicorn in ``edge-agent run``)."""
-    app = FastAPI(title="EdgeLoop edge agent", version="1")
-    limiter = RateLimiter(agent.settings.http_max_fps) if agent.settings.http_max_fps else None
-    max_bytes = agent.settings.max_image_bytes
+    app = AgentApi(title="EdgeLoop edge agent", version="1")
+    frames = _Frames(agent)
+    app.frames = frames
 
     def refused(status: int, message: str, reason: str) -> JSONResponse:
-        agent.telemetry.bad_input.labels(SOURCE, reason).inc()
+        frames.count_refusal(reason)
         return _refuse(status, message, reason)
 
     @app.post("/v1/frames")
     async def post_frame(request: Request) -> Response:
+        # The FastAPI route sees multipart uploads and what the fast path does not accept.
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if content_type not in _ACCEPTED_TYPES:
             shown = content_type or "no Content-Type"
             return refused(
                 415, f"unsupported content type {shown!r}: send {ACCEPTED}", "content_type"
             )
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_bytes + 65536:
-            return refused(
-                413,
-                f"request of {declared} bytes is over the limit of {max_bytes} image bytes",
-                "too_large",
-            )
-        if limiter is not None and not limiter.try_take():
-            return refused(429, "frame rate over this source's limit; retry later", "rate_limited")
+        too_large = frames.over_declared_size(request.headers.get("content-length"))
+        if too_large is not None:
+            return refused(413, too_large, "too_large")
+        limited = frames.rate_limited()
+        if limited is not None:
+            response = refused(429, limited[0], "rate_limited")
+            response.headers["Retry-After"] = str(limited[1])
+            return response
         if content_type == "multipart/form-data":
-            body = await _file_from_form(request, max_bytes)
+            body = await _file_from_form(request, frames.max_bytes)
             if isinstance(body, JSONResponse):
-                agent.telemetry.bad_input.labels(SOURCE, "multipart").inc()
+                frames.count_refusal("multipart")
                 return body
         else:
             body = await request.body()
         try:
-            image = await run_in_threadpool(agent.decode, body)
-        except ImageRejected as exc:
-            return refused(exc.status, exc.message, exc.reason)
-        try:
-            future = agent.submit(image.rgb, source=SOURCE, encoded=image.encoded, info=image.info)
-            result = await asyncio.wait_for(
-                asyncio.wrap_future(future), agent.settings.infer_timeout_s
-            )
-        except TimeoutError:
-            return _refuse(503, "inference timed out; the agent is overloaded", "timeout")
-        except EdgeLoopError as exc:
-            return _refuse(503, f"inference failed: {exc}", exc.reason)
-        return JSONResponse(result.as_dict())
+            async with asyncio.timeout(frames.timeout_s):
+                data = await frames.answer(body, asyncio.get_running_loop())
+        except Exception as exc:
+            status, refusal = _failure(exc)
+            if isinstance(exc, ImageRejected):
+                frames.count_refusal(exc.reason)
+            return JSONResponse(refusal, status_code=status)
+        return Response(data, media_type="application/json")
 
     @app.get("/v1/samples/{sample_id}")
     async def get_sample(sample_id: str) -> Response:
-        entry = agent.sample(sample_id)
+        entry = await run_in_threadpool(agent.sample, sample_id)
         if entry is None:
             return JSONResponse(
                 {
                     "detail": f"no sample {sample_id!r} on this agent (only the last"
-                    f" {agent.settings.results_kept} are kept)"
+                    f" {agent.settings.results_kept} answers and"
+                    f" {agent.settings.verdicts_kept} verdicts are kept)"
                 },
                 status_code=404,
             )
@@ -160,7 +360,7 @@ async def _file_from_form(request: Request, max_bytes: int) -> bytes | JSONRespo
 class ApiServer:
     """uvicorn serving the agent's app in a named thread: ``with ApiServer(app, port=0) as s``."""
 
-    def __init__(self, app: FastAPI, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app: ASGIApp, *, host: str = "127.0.0.1", port: int = 0) -> None:
         import uvicorn
 
         from shared.broker import free_port
@@ -174,6 +374,10 @@ class ApiServer:
             log_level="warning",
             access_log=False,
             lifespan="off",
+            # A local API: no proxy in front, and no Server/Date headers to format per answer.
+            proxy_headers=False,
+            server_header=False,
+            date_header=False,
         )
         self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
@@ -196,6 +400,9 @@ class ApiServer:
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout)
+        app = self.server.config.app
+        if isinstance(app, AgentApi) and app.frames is not None:
+            app.frames.close()
 
     def __enter__(self) -> ApiServer:
         return self.start()

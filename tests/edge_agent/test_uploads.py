@@ -1,0 +1,195 @@
+"""Uploads on the hot path: the shared decode, the HTTP source's rate limit, concurrency."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import cv2
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from edge_agent.agent import Agent
+from edge_agent.batcher import WorkerPool
+from edge_agent.imaging import (
+    ImageRejected,
+    decode_for_model,
+    decode_image,
+    reduction_flag,
+    resize_for_model,
+)
+from edge_agent.settings import AgentSettings
+from edge_agent.sources.http import ApiServer, create_app
+from edge_agent.testing import MemoryPublisher
+from shared.images import ImageInfo
+
+LIMITS = {"max_bytes": 10_000_000, "max_pixels": 100_000_000}
+
+
+def _photo(width: int, height: int, fmt: str = "JPEG", mode: str = "RGB") -> bytes:
+    """A smooth image (a gradient), so a reduced JPEG decode stays close to a full one."""
+    ys, xs = np.mgrid[0:height, 0:width]
+    pixels = np.stack([xs * 255 // width, ys * 255 // height, (xs + ys) % 256], -1)
+    image = Image.fromarray(pixels.astype(np.uint8)).convert(mode)
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, quality=95)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("size", "flag"),
+    [
+        ((640, 480), cv2.IMREAD_REDUCED_COLOR_4),
+        ((320, 240), cv2.IMREAD_REDUCED_COLOR_2),
+        ((120, 200), cv2.IMREAD_COLOR),
+    ],
+)
+def test_jpeg_is_decoded_reduced_only_when_it_stays_over_the_model_size(
+    size: tuple[int, int], flag: int
+) -> None:
+    info = ImageInfo("jpeg", *size)
+    assert reduction_flag(info, (64, 64)) & ~cv2.IMREAD_IGNORE_ORIENTATION == flag
+    # PNG has no reduced decode.
+    png = ImageInfo("png", *size)
+    assert reduction_flag(png, (64, 64)) & ~cv2.IMREAD_IGNORE_ORIENTATION == cv2.IMREAD_COLOR
+
+
+@pytest.mark.parametrize(("fmt", "mode"), [("JPEG", "RGB"), ("PNG", "RGB"), ("PNG", "L")])
+def test_decode_for_model_matches_a_full_decode_and_resize(fmt: str, mode: str) -> None:
+    data = _photo(640, 480, fmt, mode)
+    frame = decode_for_model(data, (64, 64), **LIMITS)
+    assert frame.tensor.shape == (64, 64, 3)
+    assert frame.tensor.dtype == np.uint8
+    assert frame.info.width == 640 and frame.encoded is data
+    full = resize_for_model(decode_image(data, **LIMITS).rgb, (64, 64))
+    # RGB order, same picture: only the JPEG decoder's scaling differs.
+    diff = np.abs(frame.tensor.astype(int) - full.astype(int))
+    assert diff.mean() < 2.0, diff.mean()
+
+
+def test_decode_for_model_refuses_with_the_precise_reason() -> None:
+    jpeg = _photo(64, 64)
+    with pytest.raises(ImageRejected) as truncated:
+        decode_for_model(jpeg[: len(jpeg) // 2], (32, 32), **LIMITS)
+    assert truncated.value.reason == "truncated"
+    with pytest.raises(ImageRejected) as too_many:
+        decode_for_model(_photo(400, 300), (32, 32), max_bytes=10**7, max_pixels=100_000)
+    assert too_many.value.status == 413
+    assert too_many.value.reason == "too_many_pixels"
+
+
+def test_rate_limit_answers_429_with_retry_after(
+    make_settings: Callable[..., AgentSettings], engine: object, make_image: Callable[..., bytes]
+) -> None:
+    settings = make_settings(http_max_fps=0.5)
+    with (
+        Agent(settings, engine=engine, publisher=MemoryPublisher()) as agent,  # type: ignore[arg-type]
+        ApiServer(create_app(agent)) as server,
+        httpx.Client(base_url=server.url) as client,
+    ):
+        first = client.post(
+            "/v1/frames", content=make_image(), headers={"Content-Type": "image/jpeg"}
+        )
+        raw = client.post(
+            "/v1/frames", content=make_image(), headers={"Content-Type": "image/jpeg"}
+        )
+        multipart = client.post("/v1/frames", files={"file": ("f.jpg", make_image(), "image/jpeg")})
+        refused = agent.telemetry.registry.get_sample_value(
+            "edgeloop_agent_bad_input_total", {"source": "http", "reason": "rate_limited"}
+        )
+        frames = agent.status()["frames_total"]
+    assert first.status_code == 200
+    for response in (raw, multipart):
+        assert response.status_code == 429
+        assert 1 <= int(response.headers["Retry-After"]) <= 2
+        body = response.json()
+        assert body["reason"] == "rate_limited"
+        assert "limit of 0.5 frames/s" in body["detail"]
+        assert "retry in" in body["detail"]
+    assert refused == 2
+    assert frames == 1  # refused uploads never reach the model
+
+
+def test_concurrent_uploads_are_batched_and_each_gets_its_own_answer(
+    make_settings: Callable[..., AgentSettings], engine: object
+) -> None:
+    settings = make_settings(max_batch=8, max_wait_ms=20.0, route_max_prob_below=None)
+    # Each upload a flat colour: the answer must be the one for its own frame.
+    colours = [(i * 30 % 256, 255 - i * 20 % 256, i * 50 % 256) for i in range(24)]
+    uploads = []
+    for colour in colours:
+        buffer = io.BytesIO()
+        Image.new("RGB", (48, 48), colour).save(buffer, format="PNG")
+        uploads.append(buffer.getvalue())
+    with (
+        Agent(settings, engine=engine, publisher=MemoryPublisher()) as agent,  # type: ignore[arg-type]
+        ApiServer(create_app(agent)) as server,
+        httpx.Client(base_url=server.url, limits=httpx.Limits(max_connections=12)) as client,
+    ):
+
+        def post(data: bytes) -> list[float]:
+            response = client.post(
+                "/v1/frames", content=data, headers={"Content-Type": "image/png"}
+            )
+            assert response.status_code == 200, response.text
+            assert response.headers["content-type"] == "application/json"
+            return list(response.json()["scores"])
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(post, uploads))
+        batches = agent.batcher.batches
+        expected = [agent.process_upload(data, source="check").scores for data in uploads]
+    assert batches < len(uploads)  # several frames shared a batch
+    for got, want in zip(answers, expected, strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_chunked_uploads_are_read_and_bounded(
+    make_settings: Callable[..., AgentSettings], engine: object, make_image: Callable[..., bytes]
+) -> None:
+    settings = make_settings(max_image_bytes=4096)
+    image = make_image(64, 48)
+    assert len(image) < 4096
+
+    def chunks(data: bytes, size: int = 512) -> Iterator[bytes]:
+        for i in range(0, len(data), size):
+            yield data[i : i + size]
+
+    with (
+        Agent(settings, engine=engine, publisher=MemoryPublisher()) as agent,  # type: ignore[arg-type]
+        ApiServer(create_app(agent)) as server,
+        httpx.Client(base_url=server.url) as client,
+    ):
+        headers = {"Content-Type": "image/jpeg"}
+        ok = client.post("/v1/frames", content=chunks(image), headers=headers)
+        huge = client.post("/v1/frames", content=chunks(b"\xff" * 200_000), headers=headers)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["scores"]
+    assert huge.status_code == 413
+    assert huge.json()["reason"] == "too_large"
+
+
+def test_worker_pool_runs_jobs_survives_failures_and_drains_on_shutdown() -> None:
+    pool = WorkerPool(2, name="test-pool")
+    done: list[tuple[int, str]] = []
+    lock = threading.Lock()
+
+    def job(i: int) -> None:
+        if i == 3:
+            raise ValueError("a failing job")
+        time.sleep(0.001)
+        with lock:
+            done.append((i, threading.current_thread().name))
+
+    for i in range(20):
+        pool.submit(job, i)
+    pool.shutdown(wait=True)
+    assert sorted(i for i, _ in done) == [i for i in range(20) if i != 3]
+    assert {name for _, name in done} <= {"test-pool-0", "test-pool-1"}
+    with pytest.raises(RuntimeError):
+        pool.submit(job, 99)

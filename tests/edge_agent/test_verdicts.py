@@ -1,0 +1,249 @@
+"""Verdicts on the edge: the user's webhook (retries, bounded queue, metrics) and the
+verdict store that keeps ``GET /v1/samples/{id}`` answering across a restart."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import pytest
+
+from edge_agent.agent import Agent
+from edge_agent.settings import AgentSettings
+from edge_agent.sources.http import ApiServer, create_app
+from edge_agent.testing import MemoryPublisher
+from shared.messages import Verdict, encode_message
+
+
+class WebhookReceiver:
+    """A local HTTP server standing in for the user's application.
+
+    ``statuses`` are answered in order (then 200); ``delay_s`` holds every answer.
+    """
+
+    def __init__(self, statuses: list[int] | None = None, delay_s: float = 0.0) -> None:
+        self.statuses = list(statuses or [])
+        self.delay_s = delay_s
+        self.received: list[dict[str, Any]] = []
+        self.attempts = 0
+        self.release = threading.Event()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                receiver.attempts += 1
+                if receiver.delay_s:
+                    receiver.release.wait(receiver.delay_s)
+                status = receiver.statuses.pop(0) if receiver.statuses else 200
+                if status == 200:
+                    receiver.received.append(json.loads(body))
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/hooks/verdicts"
+
+    def __enter__(self) -> WebhookReceiver:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _verdict(sample_id: str, label: int, agrees: bool = True) -> bytes:
+    return encode_message(
+        Verdict(
+            sample_id=sample_id,
+            fleet="test-fleet",
+            agent="agent-1",
+            teacher_model="teacher",
+            teacher_version="7",
+            scores=[0.7, 0.1, 0.1, 0.1],
+            label=label,
+            confidence=0.7,
+            agrees_with_edge=agrees,
+            verified_at=datetime.now(UTC),
+        )
+    )
+
+
+def _metric(agent: Agent, outcome: str) -> float:
+    value = agent.telemetry.registry.get_sample_value(
+        "edgeloop_agent_webhook_verdicts_total", {"outcome": outcome}
+    )
+    return value or 0.0
+
+
+@pytest.fixture
+def frame_ids(make_image: Callable[..., bytes]) -> Callable[[Agent, int], list[str]]:
+    def answer(agent: Agent, n: int) -> list[str]:
+        return [
+            agent.process_upload(make_image(seed=seed), source="http").sample_id
+            for seed in range(n)
+        ]
+
+    return answer
+
+
+def test_webhook_retries_with_backoff_then_delivers(
+    make_settings: Callable[..., AgentSettings],
+    engine: object,
+    frame_ids: Callable[[Agent, int], list[str]],
+    until: Callable[..., bool],
+) -> None:
+    publisher = MemoryPublisher()
+    with WebhookReceiver(statuses=[503, 500]) as hook:
+        settings = make_settings(
+            webhook_url=hook.url, webhook_backoff_min_s=0.05, webhook_backoff_max_s=0.2
+        )
+        with Agent(settings, engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
+            (sample_id,) = frame_ids(agent, 1)
+            publisher.deliver(agent.topic_verdicts, _verdict(sample_id, 2))
+            assert until(lambda: len(hook.received) == 1, timeout=10)
+            assert hook.attempts == 3
+            assert hook.received[0]["sample_id"] == sample_id
+            assert hook.received[0]["label"] == 2
+            assert hook.received[0]["teacher_version"] == "7"
+            assert _metric(agent, "delivered") == 1
+            assert _metric(agent, "retried") == 2
+            with ApiServer(create_app(agent)) as server:
+                text = httpx.get(server.url + "/metrics").text
+            assert 'edgeloop_agent_webhook_verdicts_total{outcome="delivered"} 1.0' in text
+
+
+def test_webhook_gives_up_on_a_refusal_and_after_its_attempts(
+    make_settings: Callable[..., AgentSettings],
+    engine: object,
+    frame_ids: Callable[[Agent, int], list[str]],
+    until: Callable[..., bool],
+) -> None:
+    publisher = MemoryPublisher()
+    # 404 is final at once; then three 503s use up the second verdict's three attempts.
+    with WebhookReceiver(statuses=[404, 503, 503, 503]) as hook:
+        settings = make_settings(
+            webhook_url=hook.url,
+            webhook_attempts=3,
+            webhook_backoff_min_s=0.02,
+            webhook_backoff_max_s=0.05,
+        )
+        with Agent(settings, engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
+            first, second = frame_ids(agent, 2)
+            publisher.deliver(agent.topic_verdicts, _verdict(first, 1))
+            publisher.deliver(agent.topic_verdicts, _verdict(second, 1))
+            assert until(lambda: _metric(agent, "failed") == 2, timeout=10)
+            assert hook.attempts == 4
+            assert hook.received == []
+            assert _metric(agent, "retried") == 2
+            assert _metric(agent, "delivered") == 0
+
+
+def test_a_stuck_webhook_never_blocks_verdicts_or_inference(
+    make_settings: Callable[..., AgentSettings],
+    engine: object,
+    frame_ids: Callable[[Agent, int], list[str]],
+    until: Callable[..., bool],
+) -> None:
+    publisher = MemoryPublisher()
+    with WebhookReceiver(delay_s=30.0) as hook:
+        settings = make_settings(webhook_url=hook.url, webhook_queue=2, webhook_timeout_s=20.0)
+        with Agent(settings, engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
+            ids = frame_ids(agent, 6)
+            publisher.deliver(agent.topic_verdicts, _verdict(ids[0], 0))
+            assert until(lambda: hook.attempts == 1, timeout=5)  # now stuck with the server
+            start = time.perf_counter()
+            for sample_id in ids[1:]:
+                publisher.deliver(agent.topic_verdicts, _verdict(sample_id, 0))
+            handled_s = time.perf_counter() - start
+            # Two wait in the queue, the other three are dropped and counted.
+            assert _metric(agent, "dropped") == 3
+            assert handled_s < 2.0
+            assert agent.telemetry.verdict_count == 6
+            assert all(agent.sample(i)["verdict"]["label"] == 0 for i in ids)  # type: ignore[index]
+            started = time.perf_counter()
+            frame_ids(agent, 3)
+            assert time.perf_counter() - started < 5.0
+            assert agent.status()["frames_total"] == 9
+            hook.release.set()
+
+
+def test_verdicts_survive_a_restart(
+    make_settings: Callable[..., AgentSettings],
+    engine: object,
+    frame_ids: Callable[[Agent, int], list[str]],
+) -> None:
+    settings = make_settings(route_max_prob_below=1.01)
+    publisher = MemoryPublisher()
+    with Agent(settings, engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
+        (sample_id,) = frame_ids(agent, 1)
+        answered = agent.sample(sample_id)
+        assert answered is not None
+        publisher.deliver(agent.topic_verdicts, _verdict(sample_id, 3, agrees=False))
+
+    with (
+        Agent(settings, engine=engine, publisher=MemoryPublisher()) as again,  # type: ignore[arg-type]
+        ApiServer(create_app(again)) as server,
+    ):
+        response = httpx.get(f"{server.url}/v1/samples/{sample_id}")
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["sample_id"] == sample_id
+    assert body["verdict"]["label"] == 3
+    assert body["verdict"]["agrees_with_edge"] is False
+    assert body["result"] == answered["result"]
+
+
+def test_verdict_retention_is_bounded(
+    make_settings: Callable[..., AgentSettings],
+    engine: object,
+    frame_ids: Callable[[Agent, int], list[str]],
+) -> None:
+    settings = make_settings(verdicts_kept=2, results_kept=1)
+    publisher = MemoryPublisher()
+    with Agent(settings, engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
+        ids = frame_ids(agent, 3)
+        for sample_id in ids:
+            publisher.deliver(agent.topic_verdicts, _verdict(sample_id, 1))
+        assert agent.verdicts.count() == 2
+    with Agent(settings, engine=engine, publisher=MemoryPublisher()) as again:  # type: ignore[arg-type]
+        assert again.sample(ids[0]) is None
+        assert [again.sample(i)["verdict"]["sample_id"] for i in ids[1:]] == ids[1:]  # type: ignore[index]
+
+
+def test_no_webhook_by_default(
+    make_settings: Callable[..., AgentSettings],
+    engine: object,
+    frame_ids: Callable[[Agent, int], list[str]],
+) -> None:
+    publisher = MemoryPublisher()
+    with Agent(make_settings(), engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
+        assert "webhook-loop" not in {t.name for t in threading.enumerate()}
+        (sample_id,) = frame_ids(agent, 1)
+        publisher.deliver(agent.topic_verdicts, _verdict(sample_id, 1))
+        assert agent.sample(sample_id)["verdict"]["label"] == 1  # type: ignore[index]
+        assert _metric(agent, "dropped") == 0
+
+
+def test_webhook_url_must_be_http(make_settings: Callable[..., AgentSettings]) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="http:// or https://"):
+        make_settings(webhook_url="ftp://example.com/hook")
