@@ -3,9 +3,12 @@
 - ``RateLimiter``: a token bucket per (route group, client). Groups: ``enroll``
   (``POST /v1/enroll``, ``/v1/enrollment-tokens``), ``login`` (``POST /ui/login``) and
   ``upload`` (``POST /v1/models``, ``/v2/models/*/infer``, labels). The client is the
-  peer address plus a digest of its bearer token, so agents behind one NAT do not
-  starve each other while one IP cannot mint buckets by inventing tokens beyond the
-  bucket table's bound. Over the limit: ``429`` with ``Retry-After``.
+  peer address (``scope["client"]``; behind a proxy, let the server rewrite it from
+  trusted forwarding headers, e.g. uvicorn's ``--forwarded-allow-ips``). A request
+  whose bearer token authenticates (the admin token, an enrolled agent's API token)
+  is charged to that principal instead, so agents behind one NAT do not starve each
+  other; a token that does not authenticate is charged to the address, so inventing
+  tokens buys no fresh buckets. Over the limit: ``429`` with ``Retry-After``.
 - ``SecurityHeaders``: CSP (scripts from this origin plus the hashes of the UI's
   own inline bootstrap scripts, no inline styles, no framing), ``nosniff``,
   ``X-Frame-Options: DENY``, ``Referrer-Policy: no-referrer``, no caching of API answers.
@@ -27,13 +30,22 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import Counter
+from starlette.concurrency import run_in_threadpool
 
-__all__ = ["RateLimitMiddleware", "RateLimiter", "SecurityHeadersMiddleware", "content_policy"]
+__all__ = [
+    "Authenticate",
+    "RateLimitMiddleware",
+    "RateLimiter",
+    "SecurityHeadersMiddleware",
+    "content_policy",
+]
 
 Scope = dict[str, Any]
 Receive = Callable[[], Any]
 Send = Callable[[dict[str, Any]], Any]
 ASGIApp = Callable[[Scope, Receive, Send], Any]
+Authenticate = Callable[[str], str | None]
+"""A bearer token to the principal it authenticates ("admin", "agent:fleet/id"), else None."""
 
 _TEMPLATES = Path(__file__).parent / "ui" / "templates"
 _INLINE_SCRIPT = re.compile(r"<script>(.*?)</script>", re.S)
@@ -143,7 +155,11 @@ def _group(method: str, path: str) -> str | None:
 
 
 class RateLimitMiddleware:
-    """Answers 429 with Retry-After once a client's bucket for a route group is empty."""
+    """Answers 429 with Retry-After once a client's bucket for a route group is empty.
+
+    ``authenticate`` (blocking; run in a worker thread) names the principal a bearer
+    token belongs to. It is asked only for requests in a limited group.
+    """
 
     def __init__(
         self,
@@ -151,6 +167,7 @@ class RateLimitMiddleware:
         *,
         limits: dict[str, tuple[float, int]],
         refused: Counter | None = None,
+        authenticate: Authenticate | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.app = app
@@ -160,13 +177,14 @@ class RateLimitMiddleware:
             if rate > 0
         }
         self.refused = refused
+        self.authenticate = authenticate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             group = _group(scope.get("method", ""), scope.get("path", ""))
             limiter = self.limiters.get(group) if group else None
             if limiter is not None and group is not None:
-                wait = limiter.take(_client_key(scope))
+                wait = limiter.take(await self.client_key(scope))
                 if wait > 0:
                     if self.refused is not None:
                         self.refused.labels(group).inc()
@@ -174,16 +192,25 @@ class RateLimitMiddleware:
                     return
         await self.app(scope, receive, send)
 
+    async def client_key(self, scope: Scope) -> str:
+        """``principal:<name>`` for a bearer token that authenticates, else ``addr:<peer>``."""
+        token = _bearer_token(scope)
+        if token and self.authenticate is not None:
+            principal = await run_in_threadpool(self.authenticate, token)
+            if principal:
+                return f"principal:{principal}"
+        client = scope.get("client") or ("unknown", 0)
+        return f"addr:{client[0]}"
 
-def _client_key(scope: Scope) -> str:
-    client = scope.get("client") or ("unknown", 0)
-    key = str(client[0])
+
+def _bearer_token(scope: Scope) -> str | None:
     for name, value in scope.get("headers", []):
         if name == b"authorization":
-            # A digest, never the token itself: the table may be inspected or dumped.
-            key += ":" + hashlib.sha256(value).hexdigest()[:16]
-            break
-    return key
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+            return None
+    return None
 
 
 async def _too_many(send: Send, group: str, wait: float) -> None:

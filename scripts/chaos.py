@@ -1,11 +1,15 @@
 """Chaos, full forms: inject each fault on loopback and print what was lost.
 
-    .venv/bin/python scripts/chaos.py [--only NAME ...] [--offline-s 300] [--json]
+    .venv/bin/python scripts/chaos.py [--only NAME ...] [--offline-s 300] [--pg-down-s 30]
+                                      [--json]
 
 Scenarios (tests/chaos/harness.py): broker restart mid-stream, verifier SIGKILL
-(several), agent offline for ``--offline-s`` then back, agent spool full (a byte cap
-standing in for a full disk). Prints one row per fault: what was tried; forwarded,
-lost, duplicated, without verdict, evicted by policy, redelivered, crashed.
+(several), API SIGKILL and restart (several) under enroll/poll/infer/label load,
+agent offline for ``--offline-s`` then back, agent spool full (a byte cap standing in
+for a full disk), PostgreSQL stopped for ``--pg-down-s`` while samples flow (a private
+server). Prints one row per fault: what was tried; forwarded, lost, duplicated,
+without verdict, evicted by policy, redelivered, refused (and retried), 5xx, crashed
+(processes killed on purpose). Exit status 1 when any row is not ok.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from tests.chaos.harness import (
     Outcome,
     Rig,
     agent_offline,
+    api_restart,
     broker_restart,
+    postgres_restart,
     spool_full,
     verifier_sigkill,
 )
@@ -36,6 +42,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=1000)
     parser.add_argument("--offline-s", type=float, default=300.0)
     parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--pg-down-s", type=float, default=30.0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     plan = {
@@ -43,10 +50,16 @@ def main() -> None:
         "verifier_sigkill": lambda rig: verifier_sigkill(
             rig, frames_n=args.frames, kills=args.kills
         ),
+        "api_restart": lambda rig: api_restart(
+            rig, frames_n=args.frames // 2, kills=args.kills, down_s=2.0
+        ),
         "agent_offline": lambda rig: agent_offline(
             rig, frames_n=args.frames // 4, offline_s=args.offline_s
         ),
         "spool_full": lambda rig: spool_full(rig, frames_n=args.frames, max_bytes=1 << 17),
+        "postgres_restart": lambda rig: postgres_restart(
+            rig, frames_n=args.frames, down_s=args.pg_down_s, stream_s=args.pg_down_s + 20
+        ),
     }
     rows: list[dict[str, object]] = []
     for name, scenario in plan.items():
@@ -76,12 +89,18 @@ def main() -> None:
             "without_verdict",
             "evicted_by_policy",
             "redelivered",
+            "refused",
+            "server_errors",
             "crashed",
+            "recovered",
             "ok",
+            "seconds",
         ]
         print(" | ".join(cols))
         for row in rows:
             print(" | ".join(str(row[c]) for c in cols))
+        for row in rows:
+            print(f"{row['fault']}: {row['notes']}")
     sys.exit(0 if all(r["ok"] for r in rows) else 1)
 
 

@@ -1,11 +1,15 @@
 """Fuzz the input boundaries with hypothesis, ``--cases`` per target (default 10,000).
 
-    .venv/bin/python scripts/fuzz.py [--cases 10000] [--json]
+    .venv/bin/python scripts/fuzz.py [--cases 10000] [--api-cases 100] [--database-url URL]
+                                     [--json]
 
 Targets: envelope decoding, manifest (announcement) verification, the edge agent's
 frame upload (``POST /v1/frames`` on its HTTP app, in-process) and MQTT ingest's
-message classifier (what the verifier runs on every message). Counts every outcome;
-a crash (an exception outside the error tree) or a 5xx fails the run.
+message classifier (what the verifier runs on every message); then schemathesis
+against the cloud API's OpenAPI document, served by uvicorn on a loopback port,
+``--api-cases`` generated requests per operation and mode (valid and schema-breaking;
+0 skips it). Counts every outcome; a crash (an exception outside the error tree) or a
+5xx fails the run.
 """
 
 from __future__ import annotations
@@ -56,21 +60,16 @@ def run_target(name: str, cases: int, strategy: Any, check: Any) -> dict[str, An
     }
 
 
-def main() -> None:
+def fuzz_inputs(cases: int) -> list[dict[str, Any]]:
+    """The four hypothesis targets, ``cases`` inputs each."""
     from hypothesis import strategies as st
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", type=int, default=10_000)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
     results = [
-        run_target("envelope decoding", args.cases, st.tuples(t.ENVELOPES), t.check_envelope),
-        run_target(
-            "manifest verification", args.cases, st.tuples(t.ANNOUNCEMENTS), t.check_manifest
-        ),
+        run_target("envelope decoding", cases, st.tuples(t.ENVELOPES), t.check_envelope),
+        run_target("manifest verification", cases, st.tuples(t.ANNOUNCEMENTS), t.check_manifest),
         run_target(
             "MQTT ingest (classify)",
-            args.cases,
+            cases,
             st.tuples(t.INGEST_TOPICS, t.INGEST_PAYLOADS),
             t.check_ingest,
         ),
@@ -88,17 +87,46 @@ def main() -> None:
         engine = OrtEngine(student, EngineOptions(intra_op_threads=1, warmup_runs=1))
         publisher = MemoryPublisher()
         with (
-            Agent(agent_settings, engine=engine, publisher=publisher) as agent,  # type: ignore[arg-type]
+            Agent(agent_settings, engine=engine, publisher=publisher) as agent,
             t.frame_client(agent) as client,
         ):
             results.append(
                 run_target(
                     "frame upload (POST /v1/frames)",
-                    args.cases,
+                    cases,
                     st.tuples(t.FRAMES, t.FRAME_TYPES),
                     lambda body, ctype: t.check_frame(client, body, ctype),
                 )
             )
+    return results
+
+
+def fuzz_openapi(examples: int, database_url: str | None) -> dict[str, Any]:
+    from cloud_service.demo_teacher import build_demo_teacher
+    from tests.fuzz.openapi import api_server, fuzz_api
+
+    with tempfile.TemporaryDirectory() as folder:
+        teacher = build_demo_teacher(Path(folder) / "teacher.onnx", size=32, classes=10, seed=1)
+        with api_server(Path(folder), teacher, database_url) as server:
+            report = fuzz_api(server.url, examples=examples)
+    return report.row()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", type=int, default=10_000, help="per input target; 0 skips")
+    parser.add_argument("--api-cases", type=int, default=100, help="per operation and mode")
+    parser.add_argument(
+        "--database-url", default=None, help="the API's database (default: SQLite, temp folder)"
+    )
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    results = fuzz_inputs(args.cases) if args.cases > 0 else []
+    for result in results:
+        print(json.dumps(result), file=sys.stderr, flush=True)
+    if args.api_cases > 0:
+        results.append(fuzz_openapi(args.api_cases, args.database_url))
+        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(results, indent=2))
     else:
@@ -108,6 +136,13 @@ def main() -> None:
                 f"{r['target']:34} {r['cases']:>7} {r['crashes']:>7} {r['seconds']:>6}  "
                 f"{r['outcomes']}"
             )
+        for r in results:
+            if "operations" in r:
+                print(f"{r['target']}: {r['operations']} operations, valid and schema-breaking")
+            for crash in r["first_crashes"]:
+                print(f"  crash: {crash}")
+            for operation, count in r.get("server_errors_by_operation", {}).items():
+                print(f"  5xx x{count}: {operation}")
     sys.exit(1 if any(r["crashes"] for r in results) else 0)
 
 

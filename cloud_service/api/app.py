@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import SQLAlchemyError
 
 from cloud_service.announce import Announcer
 from cloud_service.api.routes import enrollment, fleet, health, models, v2
@@ -144,7 +145,16 @@ def create_app(
 
         mount_ui(app)
 
+    from cloud_service.api.deps import bearer_principal
     from cloud_service.security import RateLimitMiddleware, SecurityHeadersMiddleware
+
+    def authenticate(token: str) -> str | None:
+        try:
+            return bearer_principal(state, token)
+        except (EdgeLoopError, SQLAlchemyError) as exc:
+            # The store is away: charge the peer address; the route answers 503 itself.
+            log.warning("rate limiter could not authenticate a bearer token: %s", exc)
+            return None
 
     burst = settings.rate_limit_burst
     app.add_middleware(
@@ -155,6 +165,7 @@ def create_app(
             "upload": (settings.rate_limit_upload_per_min, burst),
         },
         refused=state.metrics.rate_limited,
+        authenticate=authenticate,
     )
     app.add_middleware(SecurityHeadersMiddleware)
 

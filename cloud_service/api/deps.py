@@ -27,6 +27,7 @@ __all__ = [
     "SessionDep",
     "SettingsDep",
     "StateDep",
+    "bearer_principal",
 ]
 
 _bearer = HTTPBearer(auto_error=False, description="the admin token (settings: admin_token)")
@@ -45,7 +46,12 @@ def get_settings(state: StateDep) -> CloudSettings:
 
 
 def get_session(state: StateDep) -> Iterator[Session]:
-    """One session per request, committed when the route returns without error."""
+    """One session per request, committed when the route returns without error.
+
+    Used with ``scope="function"``: the commit happens before the response is sent,
+    so a 2xx means the write is durable (a crash or a failed commit after the answer
+    would otherwise lose an acknowledged write).
+    """
     with state.sessions.begin() as session:
         yield session
 
@@ -67,6 +73,16 @@ def require_admin(
     expected = settings.admin_token.get_secret_value().encode()
     if not hmac.compare_digest(credentials.credentials.encode(), expected):
         raise AuthError("the bearer token is not the admin token")
+
+
+def bearer_principal(state: ApiState, token: str) -> str | None:
+    """The principal a bearer token authenticates: "admin", "agent:<fleet>/<id>", else None."""
+    expected = state.settings.admin_token.get_secret_value().encode()
+    if hmac.compare_digest(token.encode(), expected):
+        return "admin"
+    with state.sessions() as session:
+        agent = crud.agent_for_api_token(session=session, token=token)
+        return None if agent is None else f"agent:{agent.fleet}/{agent.agent_id}"
 
 
 def require_agent_or_admin(
@@ -94,7 +110,7 @@ def get_announcer(state: StateDep) -> Announcer:
 
 
 SettingsDep = Annotated[CloudSettings, Depends(get_settings)]
-SessionDep = Annotated[Session, Depends(get_session)]
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 BlobsDep = Annotated[BlobStore, Depends(get_blobs)]
 MetricsDep = Annotated[CloudMetrics, Depends(get_metrics)]
 AdminDep = Annotated[None, Depends(require_admin)]

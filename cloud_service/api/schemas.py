@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Generic, TypeVar
 
+from fastapi import Path
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from shared.errors import EdgeLoopError
@@ -25,6 +26,10 @@ T = TypeVar("T")
 
 FleetId = Annotated[str, _id("fleet")]
 AgentId = Annotated[str, _id("agent")]
+
+MAX_ROW_ID = 2**31 - 1
+"""The largest id of a jobs, schedules or rollouts row (INTEGER: 32 bits on PostgreSQL)."""
+RowIdPath = Annotated[int, Path(ge=0, le=MAX_ROW_ID, description="a row id")]
 
 
 class Body(BaseModel):

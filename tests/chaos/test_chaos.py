@@ -1,7 +1,7 @@
 """Chaos, short forms: each fault on loopback; nothing lost, duplicated or left unverified.
 
-The full forms (longer outages, several kills, a 5-minute offline agent, a PostgreSQL
-restart) run with ``scripts/chaos.py``.
+The full forms (longer outages, several kills, a 5-minute offline agent, a 30-second
+PostgreSQL outage) run with ``scripts/chaos.py``.
 """
 
 from __future__ import annotations
@@ -11,9 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.harness import Rig, agent_offline, broker_restart, spool_full, verifier_sigkill
+from tests.chaos.harness import (
+    Rig,
+    agent_offline,
+    api_restart,
+    broker_restart,
+    postgres_binaries,
+    postgres_restart,
+    spool_full,
+    verifier_sigkill,
+)
 
-pytestmark = [pytest.mark.mqtt, pytest.mark.sql, pytest.mark.slow]
+pytestmark = [pytest.mark.mqtt, pytest.mark.sql, pytest.mark.slow, pytest.mark.chaos]
 
 
 @pytest.fixture
@@ -48,3 +57,18 @@ def test_spool_full_evicts_by_policy_and_counts_it(rig: Rig) -> None:
     print(outcome.row())
     assert outcome.evicted > 0  # the cap was hit: eviction is the policy, counted
     assert outcome.lost == 0 and outcome.duplicated == 0 and outcome.without_verdict == 0
+
+
+@pytest.mark.skipif(postgres_binaries() is None, reason="PostgreSQL binaries are not installed")
+def test_postgres_restart_mid_stream(rig: Rig) -> None:
+    outcome = postgres_restart(rig, frames_n=120, down_s=3.0)
+    print(outcome.row())
+    assert outcome.forwarded == 120 and outcome.ok, outcome.row()
+    assert outcome.refused > 0  # the outage was felt: writes were refused and retried
+
+
+def test_api_restart_under_enroll_poll_upload(rig: Rig) -> None:
+    outcome = api_restart(rig, frames_n=120, kills=1, down_s=1.0)
+    print(outcome.row())
+    assert outcome.crashed == 1 and outcome.ok, outcome.row()
+    assert outcome.refused > 0  # clients met the outage and retried

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from cloud_service.api import create_app
 from cloud_service.db import crud
 from cloud_service.ingest import IngestSample, sample_row
+from cloud_service.settings import CloudSettings
 from cloud_service.verifier import decode_image
 from shared.manifest import FleetSigningKey
 from tests.cloud_service.conftest import SIZE, image_bytes, make_header
@@ -30,7 +32,7 @@ ADMIN = {"Authorization": "Bearer test-admin-token"}
 
 
 @pytest.fixture
-def client(make_settings, database_url) -> Iterator[TestClient]:
+def client(make_settings: Callable[..., CloudSettings], database_url: str) -> Iterator[TestClient]:
     app = create_app(make_settings(database_url=database_url, admin_token="test-admin-token"))
     with TestClient(app) as test_client:
         yield test_client
@@ -180,7 +182,7 @@ def test_kserve_v2_endpoints(client: TestClient) -> None:
         "shape": [-1, SIZE, SIZE, 3],
     }
     frames = np.random.default_rng(0).integers(0, 255, (2, SIZE, SIZE, 3), dtype=np.uint8)
-    request = {
+    request: dict[str, Any] = {
         "id": "r1",
         "inputs": [
             {
@@ -244,3 +246,87 @@ _json = st.recursive(
 def test_random_json_bodies_never_get_a_5xx(client: TestClient, path: str, body: object) -> None:
     response = client.post(path, json=body, headers=ADMIN)
     assert response.status_code < 500, (path, body, response.text)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize(
+    ("content_type", "body", "words"),
+    [
+        ("application/json", b"", "registration is not valid"),
+        ("application/json", b"{not json", "registration is not valid"),
+        ("application/json", b'{"path": 5}', "path"),
+        ("application/json", b'{"path": "/x", "surplus": 1}', "surplus"),
+        ("text/plain", b"hello", "registration is not valid"),
+        (None, b"", "registration is not valid"),
+    ],
+)
+def test_model_registration_with_a_bad_body_is_a_422(
+    client: TestClient, content_type: str | None, body: bytes, words: str
+) -> None:
+    headers = {**ADMIN, **({"content-type": content_type} if content_type else {})}
+    response = client.post("/v1/models", content=body, headers=headers)
+    assert response.status_code == 422, response.text
+    assert words in response.json()["detail"]
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("metrics", ["{not json", "[1, 2]", '{"top1": "high"}', '{"top1": null}'])
+def test_model_upload_with_bad_metrics_is_a_422(client: TestClient, metrics: str) -> None:
+    response = client.post(
+        "/v1/models",
+        files={"file": ("m.onnx", b"not onnx", "application/octet-stream")},
+        data={"metrics": metrics},
+        headers=ADMIN,
+    )
+    assert response.status_code == 422, response.text
+    assert "'metrics' must be a JSON object of numbers" in response.json()["detail"]
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_writes_are_committed_before_the_answer_is_sent(
+    make_settings: Callable[..., CloudSettings], database_url: str
+) -> None:
+    from sqlalchemy import event
+
+    events: list[str] = []
+    app = create_app(make_settings(database_url=database_url, admin_token="test-admin-token"))
+    event.listen(app.state.edgeloop.sessions, "after_commit", lambda _s: events.append("commit"))
+
+    async def spy(scope, receive, send):  # type: ignore[no-untyped-def]
+        async def sending(message):  # type: ignore[no-untyped-def]
+            if message["type"] == "http.response.start":
+                events.append(f"answer {message['status']}")
+            await send(message)
+
+        await app(scope, receive, sending)
+
+    with TestClient(spy) as client:
+        made = client.post("/v1/enrollment-tokens", json={"fleet": "fleet-a"}, headers=ADMIN)
+    assert made.status_code == 201
+    # A 201 is sent only once the token is durable: a crash after it loses nothing.
+    assert events == ["commit", "answer 201"], events
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("get", "/v1/rollouts/2147483648"),
+        ("post", "/v1/rollouts/173085393773342264131584/promote"),
+        ("get", "/v1/jobs/9223372036854775808"),
+        ("get", "/v1/jobs/1/logs?after=2147483648"),
+        ("get", "/v1/schedules/2147483648"),
+        ("delete", "/v1/schedules/2147483648"),
+    ],
+)
+def test_row_ids_beyond_the_column_are_a_422(client: TestClient, method: str, path: str) -> None:
+    response = client.request(method, path, headers=ADMIN)
+    assert response.status_code == 422, response.text
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/rollouts/2147483647", "/v1/jobs/2147483647", "/v1/schedules/2147483647"]
+)
+def test_the_largest_row_id_is_just_not_found(client: TestClient, path: str) -> None:
+    response = client.get(path, headers=ADMIN)
+    assert response.status_code == 404, response.text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import warnings
@@ -13,7 +14,7 @@ import pytest
 
 from cloud_service.api import create_app
 from cloud_service.db import crud
-from cloud_service.security import RateLimiter, content_policy
+from cloud_service.security import RateLimiter, RateLimitMiddleware, content_policy
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # Starlette wants httpx2; the httpx we have works
@@ -92,6 +93,77 @@ def test_enrollment_is_rate_limited_with_retry_after(api: TestClient) -> None:
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
     metrics = api.get("/metrics").text
     assert 'edgeloop_http_rate_limited_total{group="enroll"}' in metrics
+
+
+def test_inventing_bearer_tokens_buys_no_fresh_buckets(api: TestClient) -> None:
+    # Each request carries a different made-up token: all are charged to the address.
+    codes = [
+        api.post(
+            "/v1/enrollment-tokens",
+            json={"fleet": "fleet-a"},
+            headers={"Authorization": f"Bearer ela_made-up-{i}"},
+        ).status_code
+        for i in range(6)
+    ]
+    assert codes == [401, 401, 401, 429, 429, 429], codes
+    codes = [
+        api.post(
+            "/v1/enroll", json={"token": "x"}, headers={"Authorization": f"Bearer other-{i}"}
+        ).status_code
+        for i in range(2)
+    ]
+    assert codes == [429, 429], codes  # the same address, the same empty bucket
+
+
+def test_authenticated_principal_has_its_own_bucket(api: TestClient) -> None:
+    for i in range(4):  # the address's bucket is empty now
+        api.post("/v1/enroll", json={"token": f"bogus-{i}"}, headers={"Authorization": "Bearer x"})
+    assert api.post("/v1/enroll", json={"token": "bogus"}).status_code == 429
+    # The admin authenticates, so it is charged to "admin", not to the shared address.
+    codes = [
+        api.post("/v1/enrollment-tokens", json={"fleet": "fleet-a"}, headers=ADMIN).status_code
+        for _ in range(4)
+    ]
+    assert codes == [201, 201, 201, 429], codes  # and its own bucket is limited too
+
+
+def test_client_key_is_the_address_unless_the_token_authenticates() -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("not reached")
+
+    known = {"good-token": "agent:fleet-a/cam-1"}
+    limiter = RateLimitMiddleware(app, limits={}, authenticate=known.get)
+
+    def scope(peer: str, auth: bytes | None) -> dict[str, Any]:
+        headers = [(b"authorization", auth)] if auth is not None else []
+        return {"type": "http", "client": (peer, 5000), "headers": headers}
+
+    def key(peer: str, auth: bytes | None) -> str:
+        return asyncio.run(limiter.client_key(scope(peer, auth)))
+
+    assert key("10.0.0.1", None) == "addr:10.0.0.1"
+    assert key("10.0.0.1", b"Bearer made-up") == "addr:10.0.0.1"
+    assert key("10.0.0.1", b"Basic Z29vZC10b2tlbg==") == "addr:10.0.0.1"
+    assert key("10.0.0.2", b"Bearer made-up") == "addr:10.0.0.2"
+    assert key("10.0.0.1", b"Bearer good-token") == "principal:agent:fleet-a/cam-1"
+
+
+def test_refusals_and_errors_carry_the_security_headers(api: TestClient) -> None:
+    for _ in range(4):
+        last = api.post("/v1/enroll", json={"token": "bogus"})
+    assert last.status_code == 429
+    for response in (
+        last,
+        api.get("/v1/agents"),  # 401
+        api.get("/v1/no-such-route"),  # 404
+        api.post("/v1/enrollment-tokens", json={"fleet": 3}, headers=ADMIN),  # 422
+    ):
+        h = response.headers
+        assert response.status_code in (401, 404, 422, 429), response.status_code
+        assert h["x-content-type-options"] == "nosniff", response.status_code
+        assert h["x-frame-options"] == "DENY"
+        assert "frame-ancestors 'none'" in h["content-security-policy"]
+        assert h["cache-control"] == "no-store"
 
 
 def test_login_is_rate_limited(api: TestClient) -> None:

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Query, status
 from pydantic import BaseModel, ConfigDict, Field
 
 from cloud_service.api.deps import AdminDep, SessionDep
+from cloud_service.api.schemas import MAX_ROW_ID, RowIdPath
 from distill import jobs, schedules
 from distill.store import JOB_STATES
 
@@ -133,21 +134,21 @@ def create_job(body: JobIn, session: SessionDep, _: AdminDep) -> Any:
 
 
 @router.get("/jobs/{job_id}", response_model=JobDetail)
-def show_job(job_id: int, session: SessionDep, _: AdminDep) -> Any:
+def show_job(job_id: RowIdPath, session: SessionDep, _: AdminDep) -> Any:
     return jobs.get_job(session=session, job_id=job_id)
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=JobOut)
-def cancel_job(job_id: int, session: SessionDep, _: AdminDep) -> Any:
+def cancel_job(job_id: RowIdPath, session: SessionDep, _: AdminDep) -> Any:
     return jobs.cancel(session=session, job_id=job_id)
 
 
 @router.get("/jobs/{job_id}/logs", response_model=list[LogOut])
 def job_logs(
-    job_id: int,
+    job_id: RowIdPath,
     session: SessionDep,
     _: AdminDep,
-    after: Annotated[int, Query(ge=0, description="only lines after this id")] = 0,
+    after: Annotated[int, Query(ge=0, le=MAX_ROW_ID, description="only lines after this id")] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> Any:
     return jobs.read_logs(session=session, job_id=job_id, after_id=after, limit=limit)
@@ -172,22 +173,22 @@ def create_schedule(body: ScheduleIn, session: SessionDep, _: AdminDep) -> Any:
 
 
 @router.get("/schedules/{schedule_id}", response_model=ScheduleOut)
-def show_schedule(schedule_id: int, session: SessionDep, _: AdminDep) -> Any:
+def show_schedule(schedule_id: RowIdPath, session: SessionDep, _: AdminDep) -> Any:
     return schedules.get_schedule(session=session, schedule_id=schedule_id)
 
 
 @router.patch("/schedules/{schedule_id}", response_model=ScheduleOut)
 def update_schedule(
-    schedule_id: int, body: ScheduleUpdate, session: SessionDep, _: AdminDep
+    schedule_id: RowIdPath, body: ScheduleUpdate, session: SessionDep, _: AdminDep
 ) -> Any:
     return schedules.set_enabled(session=session, schedule_id=schedule_id, enabled=body.enabled)
 
 
 @router.delete("/schedules/{schedule_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_schedule(schedule_id: int, session: SessionDep, _: AdminDep) -> None:
+def delete_schedule(schedule_id: RowIdPath, session: SessionDep, _: AdminDep) -> None:
     schedules.delete_schedule(session=session, schedule_id=schedule_id)
 
 
 @router.post("/schedules/{schedule_id}/run", response_model=JobDetail, status_code=201)
-def run_schedule_now(schedule_id: int, session: SessionDep, _: AdminDep) -> Any:
+def run_schedule_now(schedule_id: RowIdPath, session: SessionDep, _: AdminDep) -> Any:
     return schedules.run_now(session=session, schedule_id=schedule_id)

@@ -13,7 +13,7 @@ from pathlib import Path as FilePath
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response, status
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
@@ -28,6 +28,7 @@ from cloud_service.api.deps import (
     SettingsDep,
     StateDep,
 )
+from cloud_service.api.schemas import RowIdPath
 from cloud_service.db.models import ModelStatusEvent, ModelVersion, Rollout, RolloutEvent
 from shared.errors import ContractError, StoreError
 
@@ -71,6 +72,20 @@ class RegisterFromPath(BaseModel):
     format: str = "fp32"
     metrics: dict[str, float] = Field(default_factory=dict)
     parent_version: str | None = None
+
+
+def _form_metrics(text: str | None) -> dict[str, float]:
+    """The multipart ``metrics`` field: a JSON object of numbers, or nothing."""
+    try:
+        value = json.loads(text or "{}")
+        if not isinstance(value, dict):
+            raise ValueError("not an object")
+        return {str(k): float(v) for k, v in value.items()}
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise ContractError(
+            f"'metrics' must be a JSON object of numbers, like {{\"top1\": 0.97}} ({exc})",
+            reason="invalid",
+        ) from None
 
 
 class FleetIn(BaseModel):
@@ -191,10 +206,19 @@ async def register(request: Request, state: StateDep, _admin: AdminDep) -> Model
             fields = {k: v for k, v in form.items() if isinstance(v, str)}
         finally:
             await form.close()
-        metrics = json.loads(fields.get("metrics") or "{}")
+        metrics = _form_metrics(fields.get("metrics"))
         source = "upload"
     else:
-        body = RegisterFromPath.model_validate(await request.json())
+        try:
+            body = RegisterFromPath.model_validate_json(await request.body())
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+            raise ContractError(
+                f"registration is not valid ({where}: {first.get('msg', 'invalid')}): send"
+                " multipart/form-data with a 'file' part, or JSON {\"path\": ...}",
+                reason="invalid",
+            ) from None
         artifact = FilePath(body.path)
         if not artifact.is_file():
             raise ContractError(f"{body.path} is not a file on the cloud host")
@@ -413,14 +437,14 @@ def list_rollouts(
 
 
 @router.get("/rollouts/{rollout_id}")
-def get_rollout(rollout_id: int, session: SessionDep, _admin: AdminDep) -> RolloutOut:
+def get_rollout(rollout_id: RowIdPath, session: SessionDep, _admin: AdminDep) -> RolloutOut:
     item, events = rollout.get_rollout(session=session, rollout_id=rollout_id)
     return _rollout_out(item, events)
 
 
 @router.post("/rollouts/{rollout_id}/promote")
 def promote_rollout(
-    rollout_id: int,
+    rollout_id: RowIdPath,
     session: SessionDep,
     announcer: AnnouncerDep,
     settings: SettingsDep,
@@ -439,7 +463,7 @@ def promote_rollout(
 
 @router.post("/rollouts/{rollout_id}/abort")
 def abort_rollout(
-    rollout_id: int,
+    rollout_id: RowIdPath,
     session: SessionDep,
     announcer: AnnouncerDep,
     settings: SettingsDep,
