@@ -47,7 +47,7 @@ from cloud_service.batcher import (
     DynamicBatcher,
     QueueFullError,
 )
-from cloud_service.blobs import BlobStore, LocalBlobStore
+from cloud_service.blobs import BlobStore, open_blob_store
 from cloud_service.db import crud
 from cloud_service.db.models import Sample
 from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
@@ -122,7 +122,7 @@ class VerifierWorker:
         else:
             self._engine = None
         self.sessions = session_factory
-        self.blobs = blobs or LocalBlobStore(settings.resolved_blob_dir, fsync=settings.blob_fsync)
+        self.blobs = blobs or open_blob_store(settings)
         self.teacher = teacher or TeacherModel(
             settings.resolved_teacher_model,
             name=settings.teacher_name,

@@ -16,7 +16,7 @@ from cloud_service.announce import Announcer
 from cloud_service.api.routes import enrollment, fleet, health, models, v2
 from cloud_service.api.routes import jobs as jobs_routes
 from cloud_service.api.state import ApiState, load_signing_key
-from cloud_service.blobs import BlobStore, LocalBlobStore
+from cloud_service.blobs import BlobStore, open_blob_store
 from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
 from cloud_service.errors import AuthError, ConflictError, ForbiddenError, NotFoundError
 from cloud_service.metrics import CloudMetrics
@@ -97,9 +97,9 @@ def create_app(
         sessions=make_session_factory(engine),
         blobs=blobs
         or (worker.blobs if worker else None)
-        or LocalBlobStore(settings.resolved_blob_dir, fsync=settings.blob_fsync),
+        or open_blob_store(settings),
         metrics=metrics or (worker.metrics if worker else None) or CloudMetrics(),
-        signing_key=load_signing_key(settings),
+        signing_key=load_signing_key(settings, signs=not health_only),
         worker=worker,
         announcer=announcer,
     )

@@ -15,7 +15,7 @@ from cloud_service.blobs import BlobStore
 from cloud_service.metrics import CloudMetrics
 from cloud_service.settings import CloudSettings
 from cloud_service.verifier import TeacherModel
-from shared.errors import EdgeLoopError
+from shared.errors import ConfigError, EdgeLoopError
 from shared.manifest import FleetSigningKey
 
 if TYPE_CHECKING:
@@ -26,9 +26,22 @@ __all__ = ["ApiState", "load_signing_key"]
 log = logging.getLogger(__name__)
 
 
-def load_signing_key(settings: CloudSettings) -> FleetSigningKey:
-    """The fleet signing key, generated on first start if there is none."""
+def load_signing_key(settings: CloudSettings, *, signs: bool = True) -> FleetSigningKey:
+    """The fleet signing key, generated on a development machine's first start.
+
+    In production the key must exist (``cloud-service keys init``, or a mounted
+    secret): replicas that each made their own would sign with different keys.
+    A process that never signs (``signs=False``: the verifier's health app) gets a
+    throwaway key instead of creating the fleet's.
+    """
     path = settings.resolved_signing_key_file
+    if not path.exists() and not signs:
+        return FleetSigningKey.generate()
+    if not path.exists() and settings.env == "production":
+        raise ConfigError(
+            f"no fleet signing key at {path}: run `cloud-service keys init` once and mount "
+            "the key file (EDGELOOP_SIGNING_KEY_FILE) on every API and distill worker"
+        )
     if not path.exists():
         key = FleetSigningKey.generate()
         try:
