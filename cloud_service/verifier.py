@@ -355,7 +355,9 @@ class TeacherModel:
                 self.session, self.info, width if isinstance(width, int) else None
             )
         self._kernels: _KernelPath | None = None
-        cuda, triton = _cuda_and_triton() if gpu_kernels else (False, False)
+        # torch and triton are imported only where they can be used (~300 MB resident).
+        on_cuda = gpu_kernels and self.info.provider == "CUDAExecutionProvider"
+        cuda, triton = _cuda_and_triton() if on_cuda else (False, False)
         if use_gpu_kernels(self.info.provider, wanted=gpu_kernels, cuda=cuda, triton=triton):
             self._kernels = self._kernel_path(options, device="cuda")
 
