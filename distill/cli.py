@@ -18,6 +18,7 @@ from shared.console import (
     print_json,
 )
 from shared.settings import EdgeLoopSettings
+from simulations.cli import sim_app
 
 app = typer.Typer(
     help="EdgeLoop: edge-cloud hybrid inference that gets better on its own.",
@@ -28,31 +29,38 @@ register_commands(models_app)
 register_engine_command(models_app)
 app.add_typer(models_app, name="models")
 app.add_typer(jobs_app, name="jobs")
+app.add_typer(sim_app, name="sim")
 
 
 @app.command("demo")
 def demo(
     config: Path | None = ConfigOption,
-    frames: int = typer.Option(400, min=10, max=100_000, help="Camera frames to stream."),
+    frames: int = typer.Option(300, min=50, max=100_000, help="Frames per phase per agent."),
+    agents: int = typer.Option(3, min=1, max=32, help="Edge agents on the reference stream."),
     drift: str = typer.Option(
-        "blur:0.8", help="Drift the stream ramps into halfway through (NAME:SEVERITY[,...])."
+        "blur:0.8", help="Drift injected after the clean phase (NAME:SEVERITY[,...])."
     ),
     threshold: float = typer.Option(
         0.9, min=0.0, max=1.0, help="Forward frames whose student confidence is below this."
     ),
+    out: Path | None = typer.Option(
+        None, help="Folder for the plot and the HTML report (default: DATA_DIR/demo)."
+    ),
     quick: bool = typer.Option(False, "--quick", help="Small, fast-trained reference models."),
     as_json: bool = JsonOption,
 ) -> None:
-    """Run the loop on embedded defaults: broker, student on the edge, teacher in the cloud."""
+    """The closed loop on embedded defaults: drift, trigger, a job, delivery, recovery."""
     from simulations.demo import run_demo
 
     settings = load_settings(EdgeLoopSettings, config)
     run_demo(
         settings,
+        quick=quick,
         frames=frames,
+        agents=agents,
         drift=drift,
         threshold=threshold,
-        quick=quick,
+        out_dir=out,
         as_json=as_json,
     )
 
@@ -61,12 +69,13 @@ def demo(
 def closed_loop(
     config: Path | None = ConfigOption,
     frames: int = typer.Option(400, min=50, max=100_000, help="Frames per phase per agent."),
-    agents: int = typer.Option(3, min=1, max=32, help="Simulated agents on the stream."),
+    agents: int = typer.Option(3, min=1, max=32, help="Edge agents on the stream."),
     drift: str = typer.Option("blur:0.8", help="Drift injected after the clean phase."),
     threshold: float = typer.Option(0.9, min=0.0, max=1.0, help="Student forwarding threshold."),
     max_samples: int = typer.Option(500, min=20, help="Teacher-labelled frames the round uses."),
-    threads: int = typer.Option(1, min=1, max=64, help="Thread limit of the distill job."),
+    threads: int = typer.Option(2, min=1, max=64, help="Thread limit of the distill job."),
     plot: Path | None = typer.Option(None, help="Where to save the SVG plot."),
+    report: Path | None = typer.Option(None, help="Where to write the HTML report."),
     quick: bool = typer.Option(False, "--quick", help="Small, fast-trained reference models."),
     as_json: bool = JsonOption,
 ) -> None:
@@ -84,9 +93,10 @@ def closed_loop(
         max_samples=max_samples,
         threads=threads,
         plot=plot,
+        report_html=report,
     )
     if as_json:
-        print_json(result)
+        print_json({k: v for k, v in result.items() if k != "timeline"})
 
 
 if __name__ == "__main__":

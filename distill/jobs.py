@@ -94,6 +94,8 @@ _PARAMS: dict[str, tuple[type | tuple[type, ...], float | None, float | None]] =
     "quick": (bool, None, None),
     "seed": (int, 0, 2**31 - 1),
     "calibration_frames": (int, 16, 100_000),
+    "calibrate_confidence": (bool, None, None),
+    "shift_px": (int, 0, 16),
 }
 _DELIVERY = ("promote", "canary", "none")
 

@@ -16,8 +16,13 @@
    ``alpha * T^2 * KL(teacher_T || student_T) + (1 - alpha) * CE(label)``, warm-started
    from the serving student's weights, early stopping on validation, torch limited to
    the job's ``threads``; the job's cancel flag is checked after every step.
+   Then the confidence is **calibrated**: a softmax temperature at which mean
+   confidence equals accuracy on the reference validation split is folded into the
+   last layer, so the edge's forwarding threshold means the same for the new
+   student as for the old.
 4. **Export** to ONNX (BatchNorm folded, ONNX Runtime's offline graph optimisation,
-   numeric check), then **INT8** static QDQ calibrated on the most recent frames.
+   numeric check), then **INT8** static QDQ calibrated on recent verified frames
+   plus replay frames of the clean line (never the holdout the gate judges on).
 5. **Evaluate** new FP32, new INT8 and the serving student on the recent holdout,
    the fixed reference test set, and the reference test set under each drift.
 6. **Gate**: INT8 beats serving on the recent holdout by at least ``min_gain``, falls
@@ -74,7 +79,7 @@ class JobParams:
 
     fleet: str = "default"
     model_name: str = "edgeloop-student"
-    epochs: int = 6
+    epochs: int = 10
     lr: float = 5e-4
     batch_size: int = 64
     temperature: float = 4.0
@@ -100,6 +105,8 @@ class JobParams:
     quick: bool = False
     seed: int = 0
     calibration_frames: int = 256
+    calibrate_confidence: bool = True
+    shift_px: int = 0  # random shifts of training frames, up to this many pixels
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> JobParams:
@@ -274,6 +281,27 @@ def _balance(labels: np.ndarray, rng: np.random.Generator, classes: int) -> np.n
     return np.sort(np.concatenate(picks))
 
 
+def _calibration_frames(
+    recent: np.ndarray,
+    val: np.ndarray,
+    replay: np.ndarray,
+    limit: int,
+    rng: np.random.Generator,
+) -> np.ndarray:
+    """INT8 calibration frames: half recent verified frames, half replay of the clean line.
+
+    Activation ranges must cover both what the fleet sees now and what it saw before,
+    or the INT8 model forgets in quantization what training kept.
+    """
+    fresh = np.concatenate([recent, val]) if len(val) else recent
+    n_fresh = min(len(fresh), max(limit - min(len(replay), limit // 2), limit // 2))
+    n_replay = min(len(replay), limit - n_fresh)
+    picks = [fresh[np.sort(rng.choice(len(fresh), n_fresh, replace=False))]]
+    if n_replay:
+        picks.append(replay[np.sort(rng.choice(len(replay), n_replay, replace=False))])
+    return np.concatenate(picks)
+
+
 def _serving(session: Session, fleet: str) -> ModelVersion | None:
     current = session.get(FleetModel, fleet)
     if current is None:
@@ -309,7 +337,13 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
     from distill.models import ModelMeta, load_checkpoint, save_checkpoint
     from distill.quantize import quantize_onnx
     from distill.scenario import ScenarioConfig, render_split
-    from distill.train import TrainConfig, train
+    from distill.train import (
+        TrainConfig,
+        fit_temperature,
+        fold_temperature,
+        random_shift,
+        train,
+    )
 
     p = JobParams.from_dict(ctx.params)
     started = time.perf_counter()
@@ -391,6 +425,7 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
     n_cls = len(classes)
     x_ver, y_ver = load(train_rows), np.array([r.label for r in train_rows], dtype=np.int64)
     s_ver = _soft(train_rows, n_cls)
+    x_recent = x_ver  # the verified training frames as they arrived (before balancing)
     x_val, y_val = load(val_rows), np.array([r.label for r in val_rows], dtype=np.int64)
     x_hold, y_hold = load(hold_rows), np.array([r.label for r in hold_rows], dtype=np.int64)
     keep = _balance(y_ver, rng, n_cls)
@@ -466,12 +501,29 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
         init_state=base.net.state_dict(),
         on_step=lambda step, total: progress("train", 5 + 60 * step / max(1, total)),
         patience=p.patience,
+        augment=(
+            None
+            if p.shift_px <= 0
+            else lambda frames, g: random_shift(frames, g, max_px=p.shift_px)
+        ),
     )
     ctx.log(
         f"trained from {base_path.name} ({base.meta.version}): best epoch"
         f" {result.metrics['best_epoch']} of {len(result.history)},"
         f" val {result.metrics.get('val_acc', float('nan')):.3f}"
     )
+    # -- calibrate the confidence --------------------------------------------------
+    # The edge forwards a frame when its confidence is below a threshold; temperature
+    # scaling makes that threshold mean the same for every student: on the reference
+    # validation split (whole, never trained on), mean confidence equals accuracy.
+    temperature = 1.0
+    if p.calibrate_confidence:
+        temperature = fit_temperature(result.net, ref_val.frames, ref_val.labels)
+        fold_temperature(result.net, temperature)
+        ctx.log(
+            f"confidence calibrated on {len(ref_val)} reference validation frames:"
+            f" T = {temperature:.3f}"
+        )
     lap("train")
 
     # -- export, optimise, INT8 ----------------------------------------------------
@@ -490,9 +542,12 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
         f"exported: {export.nodes_unoptimized} -> {export.nodes_final} nodes after optimisation"
     )
     progress("quantize", 72)
-    recent = np.concatenate([x_hold, x_val, x_ver])[: p.calibration_frames]
-    quant = quantize_onnx(fp32_path, int8_path, recent)
-    ctx.log(f"INT8: {quant.size_bytes} bytes, calibrated on {len(recent)} recent frames")
+    calib = _calibration_frames(x_recent, x_val, x_rep, p.calibration_frames, rng)
+    quant = quantize_onnx(fp32_path, int8_path, calib)
+    ctx.log(
+        f"INT8: {quant.size_bytes} bytes, calibrated on {len(calib)} frames"
+        " (recent verified and replay; the holdout is kept out)"
+    )
     lap("export_quantize")
 
     # -- evaluate ------------------------------------------------------------------
@@ -539,6 +594,7 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
         "train": {k: v for k, v in result.metrics.items() if not isinstance(v, dict)},
         "history": result.history,
         "evaluation": evaluation,
+        "calibration": {"temperature": round(temperature, 4), "int8_frames": len(calib)},
         "gate": {"passed": decision.passed, "reasons": list(decision.reasons), **decision.checks},
         "parent_version": None if serving_info is None else serving_info[1],
         "warm_start": str(base_path.name),

@@ -43,16 +43,23 @@ from distill.models import ModelMeta, build_model, frames_to_input, save_checkpo
 from shared.errors import DataError, ModelError
 
 __all__ = [
+    "Augment",
     "Role",
     "TrainConfig",
     "TrainResult",
     "distillation_loss",
     "evaluate_net",
+    "fit_temperature",
+    "fold_temperature",
+    "net_logits",
+    "random_drifts",
+    "random_shift",
     "soften",
     "train",
 ]
 
 Role = Literal["teacher", "student"]
+Augment = Callable[[np.ndarray, np.random.Generator], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -155,6 +162,84 @@ def evaluate_net(
     return correct / max(1, len(frames))
 
 
+@torch.inference_mode()
+def net_logits(net: nn.Module, frames: np.ndarray, batch_size: int = 256) -> torch.Tensor:
+    """Logits [N, classes] of a network on uint8 NHWC frames (eval mode)."""
+    was_training = net.training
+    net.eval()
+    out = [
+        net(frames_to_input(frames[i : i + batch_size])) for i in range(0, len(frames), batch_size)
+    ]
+    net.train(was_training)
+    return torch.cat(out) if out else torch.zeros((0, 0))
+
+
+def fit_temperature(
+    net: nn.Module,
+    frames: np.ndarray,
+    labels: np.ndarray,
+    *,
+    bounds: tuple[float, float] = (0.25, 8.0),
+) -> float:
+    """The softmax temperature at which the network's mean confidence equals its accuracy.
+
+    Temperature scaling leaves every prediction as it is and only rescales the
+    confidence, so an edge threshold on confidence keeps its meaning from one student
+    to the next: at the fitted temperature, a confidence of 0.9 is right about nine
+    times in ten on these frames. Mean confidence falls monotonically with the
+    temperature, so a bisection on log T finds it; a network with every frame right
+    gets the lower bound.
+    """
+    if len(frames) == 0:
+        return 1.0
+    logits = net_logits(net, frames)
+    accuracy = float((logits.argmax(1).numpy() == np.asarray(labels)).mean())
+
+    def mean_confidence(t: float) -> float:
+        return float(torch.softmax(logits / t, dim=1).max(dim=1).values.mean())
+
+    lo, hi = np.log(bounds[0]), np.log(bounds[1])
+    if mean_confidence(float(np.exp(lo))) <= accuracy:
+        return float(bounds[0])
+    if mean_confidence(float(np.exp(hi))) >= accuracy:
+        return float(bounds[1])
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if mean_confidence(float(np.exp(mid))) > accuracy:
+            lo = mid
+        else:
+            hi = mid
+    return float(np.exp((lo + hi) / 2))
+
+
+def fold_temperature(net: nn.Module, temperature: float) -> nn.Module:
+    """Divide the network's logits by ``temperature`` by scaling its last linear layer.
+
+    ``softmax(W x / T + b / T)`` is exactly the tempered softmax, so the exported
+    model carries its calibration with no extra node.
+    """
+    last = [m for m in net.modules() if isinstance(m, nn.Linear)]
+    if not last:
+        raise ModelError("the network has no final linear layer to fold a temperature into")
+    with torch.no_grad():
+        last[-1].weight.div_(temperature)
+        if last[-1].bias is not None:
+            last[-1].bias.div_(temperature)
+    return net
+
+
+def random_shift(frames: np.ndarray, rng: np.random.Generator, max_px: int = 4) -> np.ndarray:
+    """Move each frame by up to ``max_px`` pixels each way (edges repeated): a camera that
+    sits a little differently, an object a little off its mark."""
+    n, h, w, _ = frames.shape
+    padded = np.pad(frames, ((0, 0), (max_px, max_px), (max_px, max_px), (0, 0)), mode="edge")
+    out = np.empty_like(frames)
+    offsets = rng.integers(0, 2 * max_px + 1, size=(n, 2)).tolist()
+    for i, (dy, dx) in enumerate(offsets):
+        out[i] = padded[i, dy : dy + h, dx : dx + w]
+    return out
+
+
 def _augment(
     frames: np.ndarray, masks: np.ndarray | None, rng: np.random.Generator, p_clean: float
 ) -> np.ndarray:
@@ -167,6 +252,13 @@ def _augment(
     return out
 
 
+def random_drifts(
+    frames: np.ndarray, masks: np.ndarray | None, rng: np.random.Generator, p_clean: float = 0.0
+) -> np.ndarray:
+    """Each frame under its own random mix of drifts (``p_clean`` of them left clean)."""
+    return _augment(frames, masks, rng, p_clean)
+
+
 class _Batches:
     """Shuffled ``(index, uint8 frames)`` batches of a frame set, one epoch at a time.
 
@@ -177,8 +269,8 @@ class _Batches:
     torch's two OpenMP threads.)
     """
 
-    def __init__(self, data: FrameSet, cfg: TrainConfig) -> None:
-        self.data, self.cfg = data, cfg
+    def __init__(self, data: FrameSet, cfg: TrainConfig, augment: Augment | None = None) -> None:
+        self.data, self.cfg, self.augment = data, cfg, augment
 
     def __len__(self) -> int:
         return (len(self.data) + self.cfg.batch_size - 1) // self.cfg.batch_size
@@ -193,6 +285,10 @@ class _Batches:
                 masks = None if self.data.masks is None else self.data.masks[idx]
                 rng = np.random.default_rng([self.cfg.seed, epoch, step])
                 frames = _augment(frames, masks, rng, self.cfg.p_clean)
+            if self.augment is not None:
+                frames = self.augment(
+                    frames, np.random.default_rng([self.cfg.seed, epoch, step, 1])
+                )
             yield idx, frames
 
 
@@ -228,13 +324,15 @@ def train(
     init_state: Mapping[str, torch.Tensor] | None = None,
     on_step: Callable[[int, int], None] | None = None,
     patience: int | None = None,
+    augment: Augment | None = None,
 ) -> TrainResult:
     """Train one model on ``train_set``; keep the weights that score best on ``val_set``.
 
     ``init_state`` warm-starts from existing weights (a state dict of the same
     architecture); ``on_step(step, total_steps)`` is called after every optimizer step
     (a distill job checks for cancel there: it may raise to stop training);
-    ``patience`` stops early after that many epochs without a better validation score.
+    ``patience`` stops early after that many epochs without a better validation score;
+    ``augment(frames, rng)`` transforms each training batch (uint8 NHWC in and out).
     """
     started = time.perf_counter()
     cfg = config
@@ -289,7 +387,7 @@ def train(
     )
 
     # -- loop --------------------------------------------------------------------
-    batches = _Batches(train_set, cfg)
+    batches = _Batches(train_set, cfg, augment)
     with torch_threads(cfg.threads), _progress(progress, console) as bar:
         step = 0
         task = bar.add_task(f"train {cfg.role}", total=cfg.epochs * steps_per_epoch, status="")

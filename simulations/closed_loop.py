@@ -1,38 +1,51 @@
 """The closed loop, measured: drift hits the fleet, a trigger fires, one distillation round
 runs, the new student reaches the agents, and accuracy recovers.
 
-    python -m simulations.closed_loop [--quick] [--json] [--drift blur:0.8] [--agents 3]
+    edgeloop loop [--quick] [--json] [--drift blur:0.8] [--agents 3] [--report loop.html]
 
-On embedded defaults, in one process: an embedded MQTT broker; SQLite and a local
-blob folder in a temporary data dir; the cloud verifier (``cloud_service.worker``,
-the real one: MQTT ingest, teacher batching, verdicts, samples stored); the model
-registry with signed, retained announcements over MQTT; a distill worker
-(``distill.worker`` + ``distill.pipeline``) claiming the job the drift trigger queues.
+On embedded defaults, in one process tree: an embedded MQTT broker; SQLite and a
+local blob folder in a temporary data dir; the cloud verifier
+(``cloud_service.worker``: MQTT ingest, teacher batching, receipts, verdicts); the
+cloud's REST API over HTTP (``cloud_service.api``) serving signed model artifacts;
+the model registry with signed, retained announcements over MQTT; a distill worker
+(``distill.worker`` + ``distill.pipeline``) claiming the job the drift trigger queues;
+and ``agents`` real edge agents (``edge_agent.Agent``), each enrolled with its own
+API token and fed by its own camera stream in its own thread. An agent answers
+every frame with its INT8 student, spools and forwards the unsure frames (plus an
+audit share) over MQTT, receives verdicts, and installs new models as it does in
+the field: retained announcement, signature, HTTP download, sha256, golden inputs,
+atomic swap.
 
-Simplified, honestly: the agents are in-process *simulated* agents, not
-``edge_agent.Agent`` processes. Each runs the INT8 student with ONNX Runtime on its
-own frames, forwards low-confidence frames (plus an audit share) as real sample
-envelopes over MQTT at QoS 1, and follows the fleet's retained model announcement:
-it verifies the ed25519 signature and the artifact's sha256 before it swaps models.
-It reads the artifact from the blob folder instead of over HTTP, and frames are
-processed one agent after another rather than concurrently.
+Frames come from the reference scenario's stream split, divided by source scan into
+two pools that share no scan: the *live* pool feeds the clean and drifted phases
+(whose forwarded frames become the round's training data) and the *evaluation* pool
+is used for every figure in the table, so "after" is measured on frames the new
+student never trained on. The table's columns use the same evaluation frames (same
+seeds): ``before drift`` (serving student, clean), ``drifted`` (serving student,
+drifted) and ``after one round`` (new student, drifted, live through the fleet; the
+clean frames again for forgetting). The serving-student columns apply each agent's
+routing rule without sending, so no evaluation frame reaches the training data.
 
-Phases (each agent sees ``frames`` frames per phase, from the reference stream split):
-``before`` (clean), ``drifted`` (the drift from the first frame), then one round (the
-trigger fires on teacher disagreement; one job; delivery), then ``after`` (drifted
-again, new frames) with the clean stream measured alongside for forgetting.
+Agents run with their own defaults except the forwarding threshold (``threshold``)
+and the connection details; in particular they keep the agent's default audit share.
+The run is not bit-for-bit repeatable: agents answer concurrently, so which verified
+samples are newest (and so which ones the round trains on) varies a little.
+
+What stays simplified: the agents run in this process (a thread each, not a process
+per device), and the camera streams run as fast as the agents answer.
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import io
 import json
 import random
+import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,35 +53,58 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
-import paho.mqtt.client as mqtt
 from PIL import Image
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
-from shared import EmbeddedBroker, MqttTarget, SampleHeader, encode_envelope, make_client
+from distill.frames import FrameSet
+from edge_agent.agent import Agent, FrameResult
+from edge_agent.imaging import encode_for_upload
+from edge_agent.routing import Router
+from edge_agent.settings import AgentSettings
+from shared import SampleHeader, encode_envelope
+from shared.errors import MessageError
 from shared.ids import new_sample_id
-from shared.manifest import verify_manifest_bytes
+from shared.messages import Verdict, decode_message
 from shared.settings import EdgeLoopSettings
 
-__all__ = ["run_closed_loop"]
+__all__ = ["LoopProgress", "PhaseStats", "run_closed_loop", "split_pool"]
 
 FLEET = "demo"
 MODEL = "edgeloop-student"
-AUDIT_SHARE = 0.02
 DISAGREEMENT_BOUND = 0.2  # the drift trigger: teacher disagreement over the window
+VERDICT_WAIT_S = 60.0
+# Stream seeds of the evaluation phases: "before" and "after" see the very same frames.
+EVAL_DRIFT_SEED, EVAL_CLEAN_SEED = 6, 7
 
 
-def _session(path: Path | bytes) -> ort.InferenceSession:
+def _session(path: Path) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    src = str(path) if isinstance(path, Path) else path
-    return ort.InferenceSession(src, options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def _jpeg(frame: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(frame).save(buffer, format="JPEG", quality=90)
-    return buffer.getvalue()
+def split_pool(pool: FrameSet, seed: int = 0) -> tuple[FrameSet, FrameSet]:
+    """(live, evaluation): the pool's frames divided by source scan, so no scan is in both."""
+    if pool.sources is None:
+        raise ValueError("the stream pool carries no source ids to split by")
+    scans = np.unique(pool.sources)
+    rng = np.random.default_rng([seed, 31337])
+    live_scans = rng.permutation(scans)[: len(scans) // 2]
+    live = np.isin(pool.sources, live_scans)
+    return pool.subset(np.flatnonzero(live)), pool.subset(np.flatnonzero(~live))
+
+
+# ---------------------------------------------------------------------------------
+# What a phase saw
 
 
 @dataclass
@@ -80,9 +116,17 @@ class PhaseStats:
     teacher_correct: int = 0
     bytes_sent: int = 0
     bytes_all: int = 0
+    verdicts: int = 0
+    verdicts_missing: int = 0
+    edge_ms: list[float] = field(default_factory=list)
+    verdict_ms: list[float] = field(default_factory=list)
 
-    def row(self) -> dict[str, float]:
+    def row(self) -> dict[str, Any]:
         n = max(1, self.frames)
+
+        def p50(values: list[float]) -> float | None:
+            return round(statistics.median(values), 2) if values else None
+
         return {
             "frames": self.frames,
             "edge_accuracy": self.edge_correct / n,
@@ -92,87 +136,338 @@ class PhaseStats:
             "uplink_bytes": self.bytes_sent,
             "uplink_all_frames_bytes": self.bytes_all,
             "uplink_share": self.bytes_sent / max(1, self.bytes_all),
+            "verdicts": self.verdicts,
+            "verdicts_missing": self.verdicts_missing,
+            "edge_latency_p50_ms": p50(self.edge_ms),
+            "capture_to_verdict_p50_ms": p50(self.verdict_ms),
         }
 
 
 @dataclass
-class SimAgent:
-    """A simulated edge agent: the student, the routing rule, the uplink, model updates."""
+class _Pending:
+    label: int  # ground truth
+    sent: float  # perf_counter when the agent answered
+    n: int  # the frame's position on the timeline
 
-    name: str
-    client: mqtt.Client
-    topics: Any
-    public_key: str
-    blobs: Any
-    threshold: float
-    engine: ort.InferenceSession
-    version: str = "ref"
-    audit: random.Random = field(default_factory=lambda: random.Random(11))
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    installed: list[str] = field(default_factory=list)
-    refused: list[str] = field(default_factory=list)
 
-    def on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
-        if not msg.payload:
+class _Timeline:
+    """Everything the report plots. ``n`` is a live frame's position in the fleet's
+    stream (frames in the order the agents answered them), ``t`` seconds since the
+    loop started; the measuring passes send nothing and are not on it."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.lock = threading.Lock()
+        # row n: (t, phase, agent, version, edge correct, forwarded, edge latency ms)
+        self.frames: list[tuple[float, str, str, str, int, int, float]] = []
+        self.verdicts: list[tuple[int, float, float]] = []  # (n sent, t arrived, latency ms)
+        self.versions: list[tuple[int, str, str]] = []  # (n, agent, version first served)
+        self.spans: list[tuple[str, int, int, float, float]] = []  # (name, n0, n1, t0, t1)
+        self.marks: list[tuple[int, str]] = []  # (n, what happened)
+
+    def now(self) -> float:
+        return round(time.perf_counter() - self.start, 3)
+
+    def mark(self, text: str) -> None:
+        with self.lock:
+            self.marks.append((len(self.frames), text))
+
+    def as_dict(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "frames": list(self.frames),
+                "verdicts": list(self.verdicts),
+                "versions": list(self.versions),
+                "spans": list(self.spans),
+                "marks": list(self.marks),
+            }
+
+
+class _LoopAgent(Agent):
+    """A real edge agent that also notes when each verdict arrives (latency and hybrid)."""
+
+    def __init__(self, settings: AgentSettings, *, loop: _Fleet, **kwargs: Any) -> None:
+        super().__init__(settings, **kwargs)
+        self.loop = loop
+
+    def handle_message(self, topic: str, payload: bytes) -> None:
+        super().handle_message(topic, payload)
+        if topic != self.topic_verdicts:
             return
         try:
-            manifest = verify_manifest_bytes(bytes(msg.payload), self.public_key)
-            if manifest.version == self.version:
-                return
-            data = self.blobs.get(f"models/{manifest.name}/{manifest.sha256}.onnx")
-            if hashlib.sha256(data).hexdigest() != manifest.sha256:
-                raise ValueError("sha256 mismatch")
-            engine = _session(data)
-        except Exception as exc:  # refused: the old model keeps serving
-            self.refused.append(str(exc))
-            return
-        with self.lock:
-            self.engine, self.version = engine, manifest.version
-        self.installed.append(manifest.version)
+            verdict = decode_message(payload, Verdict)
+        except MessageError:
+            return  # the agent itself has counted and logged the refusal
+        self.loop.on_verdict(verdict.sample_id, verdict.label, time.perf_counter())
 
-    def answer(self, frame: np.ndarray) -> tuple[np.ndarray, str]:
-        with self.lock:
-            engine, version = self.engine, self.version
-        return np.asarray(engine.run(None, {"frames": frame[None]})[0][0]), version
 
-    def process(self, frame: np.ndarray, label: int, teacher: int, stats: PhaseStats) -> None:
-        scores, version = self.answer(frame)
-        predicted = int(np.argmax(scores))
-        confidence = float(scores[predicted])
-        stats.frames += 1
-        stats.edge_correct += int(predicted == label)
-        stats.teacher_correct += int(teacher == label)
-        image = _jpeg(frame)
-        reason = "low_confidence" if confidence < self.threshold else None
-        if reason is None and self.audit.random() < AUDIT_SHARE:
-            reason = "audit"
-        header = SampleHeader(
-            sample_id=new_sample_id(),
-            fleet=FLEET,
-            agent=self.name,
-            captured_at=datetime.now(UTC),
-            model_name=MODEL,
-            model_version=version,
-            scores=[float(s) for s in scores],
-            predicted=predicted,
-            confidence=confidence,
-            route_reason=reason or "audit",
-            priority=min(9, int(confidence * 10)),
-            image_format="jpeg",
-            image_width=frame.shape[1],
-            image_height=frame.shape[0],
-            image_bytes=len(image),
+# ---------------------------------------------------------------------------------
+# Live progress
+
+
+class LoopProgress:
+    """Live progress in the terminal: a bar per phase with running figures, the job's steps."""
+
+    def __init__(self, console: Console, *, live: bool = True) -> None:
+        self.console = console
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            console=console,
+            disable=not live,
+            transient=False,
         )
-        payload = encode_envelope(header, image)
-        stats.bytes_all += len(payload)
-        if reason is None:
-            stats.hybrid_correct += int(predicted == label)
-            return
-        # Forwarded: the verified answer (the teacher's) is the hybrid answer.
-        stats.forwarded += 1
-        stats.bytes_sent += len(payload)
-        stats.hybrid_correct += int(teacher == label)
-        self.client.publish(self.topics.samples(FLEET, self.name), payload, qos=1)
+        self.live = live
+        self._job_task: TaskID | None = None
+
+    def __enter__(self) -> LoopProgress:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def note(self, text: str) -> None:
+        self.progress.console.print(text, highlight=False)
+
+    def phase(self, name: str, total: int) -> TaskID:
+        return self.progress.add_task(name, total=total, status="")
+
+    def advance(self, task: TaskID, status: str) -> None:
+        self.progress.update(task, advance=1, status=status)
+
+    def job(self, job_id: int, phase: str, percent: float) -> None:
+        if self._job_task is None:
+            self._job_task = self.progress.add_task(f"distill job {job_id}", total=100, status="")
+        self.progress.update(self._job_task, completed=percent, status=phase)
+
+
+# ---------------------------------------------------------------------------------
+# The fleet
+
+
+class _Fleet:
+    """The agents, their streams, and the bookkeeping that turns answers into figures."""
+
+    def __init__(
+        self,
+        agents: list[_LoopAgent],
+        teacher: ort.InferenceSession,
+        timeline: _Timeline,
+        progress: LoopProgress,
+        frames: int,
+    ) -> None:
+        self.agents = agents
+        self.teacher = teacher
+        self.timeline = timeline
+        self.progress = progress
+        self.frames = frames
+        self.lock = threading.Lock()
+        self.pending: dict[str, _Pending] = {}
+        self.answered: dict[str, tuple[int, float]] = {}  # sample id -> (verdict label, t)
+        self.last_version: dict[str, str] = {}
+
+    def on_verdict(self, sample_id: str, label: int, at: float) -> None:
+        with self.lock:
+            self.answered[sample_id] = (label, at)
+
+    def _uplink(self, agent: Agent, frame: np.ndarray, result: FrameResult) -> tuple[bytes, int]:
+        """(image bytes, envelope bytes) of this frame as the agent's uplink encodes it."""
+        s = agent.settings
+        image, info = encode_for_upload(
+            frame,
+            original=None,
+            original_info=None,
+            max_side=s.upload_max_side,
+            quality=s.upload_jpeg_quality,
+            recompress=s.upload_recompress,
+        )
+        header = SampleHeader(
+            sample_id=result.sample_id,
+            fleet=s.fleet,
+            agent=s.agent_id,
+            captured_at=datetime.now(UTC),
+            model_name=result.model_name,
+            model_version=result.model_version,
+            scores=result.scores,
+            predicted=result.predicted,
+            confidence=min(1.0, max(0.0, result.confidence)),
+            route_reason=result.route_reason or "audit",
+            priority=result.priority,
+            image_format=info.format,
+            image_width=info.width,
+            image_height=info.height,
+            image_bytes=len(image),
+            meta={"source": "stream"},
+        )
+        return image, len(encode_envelope(header, image))
+
+    def _teacher_label(self, image: bytes) -> int:
+        with Image.open(io.BytesIO(image)) as img:
+            pixels = np.asarray(img.convert("RGB"), dtype=np.uint8)
+        return int(np.argmax(self.teacher.run(None, {"frames": pixels[None]})[0][0]))
+
+    def run_phase(
+        self,
+        name: str,
+        pool: FrameSet,
+        drift: tuple[Any, ...],
+        seed: int,
+        *,
+        live: bool,
+    ) -> dict[str, Any]:
+        """Stream ``frames`` frames to every agent; ``live=False`` measures without sending."""
+        from distill.drift import DriftSchedule, FrameStream
+
+        stats = PhaseStats()
+        task = self.progress.phase(name, self.frames * len(self.agents))
+        t0, n0 = self.timeline.now(), len(self.timeline.frames)
+        forwarded_ids: list[str] = []
+
+        def status() -> str:
+            n = max(1, stats.frames)
+            return f"edge {stats.edge_correct / n:6.1%}  forward {stats.forwarded / n:6.1%}"
+
+        def work(index: int, agent: _LoopAgent) -> None:
+            stream = FrameStream(
+                pool,
+                drift=drift,
+                schedule=DriftSchedule("abrupt", 0),
+                limit=self.frames,
+                seed=seed * 100 + index,
+            )
+            # Measuring without sending: the agent's own routing policy, its own draws.
+            router = Router(
+                agent.settings.routing_policy,
+                labels=list(agent.engine.labels),
+                clock=time.time,
+                rng=random.Random(seed * 1000 + index),
+            )
+            for item in stream:
+                if live:
+                    result = agent.process(item.frame, source="stream")
+                    forwarded, edge_ms = result.forwarded, result.latency_ms
+                else:
+                    started = time.perf_counter()
+                    scores = np.asarray(agent.engine.run(item.frame[None])[0])
+                    edge_ms = (time.perf_counter() - started) * 1e3
+                    decision = router.decide(scores)
+                    result = FrameResult(
+                        sample_id=new_sample_id(),
+                        label=str(decision.predicted),
+                        predicted=decision.predicted,
+                        scores=[float(x) for x in scores],
+                        confidence=decision.confidence,
+                        forwarded=decision.forward,
+                        route_reason=decision.reason,
+                        priority=decision.priority,
+                        over_budget=decision.over_budget,
+                        latency_ms=edge_ms,
+                        model_name=agent.engine.name,
+                        model_version=agent.engine.version,
+                        source="stream",
+                    )
+                    forwarded = decision.forward
+                image, size = self._uplink(agent, item.frame, result)
+                teacher = self._teacher_label(image)
+                correct = int(result.predicted == item.label)
+                with self.lock:
+                    stats.frames += 1
+                    stats.edge_correct += correct
+                    stats.teacher_correct += int(teacher == item.label)
+                    stats.bytes_all += size
+                    stats.edge_ms.append(edge_ms)
+                    if forwarded:
+                        stats.forwarded += 1
+                        stats.bytes_sent += size
+                        if live:
+                            self.pending[result.sample_id] = _Pending(
+                                item.label, time.perf_counter(), len(self.timeline.frames)
+                            )
+                            forwarded_ids.append(result.sample_id)
+                        else:  # the verdict would be the teacher's answer on these bytes
+                            stats.hybrid_correct += int(teacher == item.label)
+                    else:
+                        stats.hybrid_correct += correct
+                    if live:
+                        t, n = self.timeline.now(), len(self.timeline.frames)
+                        version = result.model_version
+                        self.timeline.frames.append(
+                            (
+                                t,
+                                name,
+                                agent.settings.agent_id,
+                                version,
+                                correct,
+                                int(forwarded),
+                                round(edge_ms, 3),
+                            )
+                        )
+                        if self.last_version.get(agent.settings.agent_id) != version:
+                            self.last_version[agent.settings.agent_id] = version
+                            self.timeline.versions.append((n, agent.settings.agent_id, version))
+                    line = status()
+                self.progress.advance(task, line)
+
+        errors: list[BaseException] = []
+
+        def guarded(index: int, agent: _LoopAgent) -> None:
+            try:
+                work(index, agent)
+            except BaseException as exc:  # surfaced in the caller's thread below
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=guarded, args=(i, a), name=f"stream-{a.settings.agent_id}")
+            for i, a in enumerate(self.agents)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise RuntimeError(f"phase {name!r}: a stream failed: {errors[0]!r}") from errors[0]
+        if live:
+            self._settle(forwarded_ids, stats)
+        if live:
+            with self.timeline.lock:
+                n1 = len(self.timeline.frames)
+                self.timeline.spans.append((name, n0, n1, t0, self.timeline.now()))
+        row = stats.row()
+        row["live"] = live
+        return row
+
+    def _settle(self, ids: list[str], stats: PhaseStats) -> None:
+        """Wait for the verdicts of a live phase's forwarded frames; the hybrid answer is theirs."""
+        deadline = time.monotonic() + VERDICT_WAIT_S
+        while time.monotonic() < deadline:
+            with self.lock:
+                if all(i in self.answered for i in ids):
+                    break
+            time.sleep(0.05)
+        with self.lock:
+            for sid in ids:
+                pending = self.pending.pop(sid)
+                got = self.answered.get(sid)
+                if got is None:
+                    # No verdict in time: the edge answer stands.
+                    stats.verdicts_missing += 1
+                    continue
+                label, at = got
+                stats.verdicts += 1
+                stats.hybrid_correct += int(label == pending.label)
+                latency = (at - pending.sent) * 1e3
+                stats.verdict_ms.append(latency)
+                self.timeline.verdicts.append(
+                    (pending.n, round(at - self.timeline.start, 3), latency)
+                )
+
+
+# ---------------------------------------------------------------------------------
+# The run
 
 
 def _models(quick: bool, console: Console) -> Any:
@@ -190,6 +485,32 @@ def _models(quick: bool, console: Console) -> Any:
     return bootstrap_reference_models(cache, quick=quick, progress=not quick, console=console)
 
 
+@contextmanager
+def _quiet_logs() -> Iterator[None]:
+    """Agents and services log every step at INFO; the loop shows its own progress."""
+    import logging
+
+    names = (
+        "edge_agent",
+        "cloud_service",
+        "distill",
+        "shared",
+        "uvicorn",
+        "httpx",
+        "amqtt",
+        "alembic",
+    )
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
 def run_closed_loop(
     settings: EdgeLoopSettings | None = None,
     *,
@@ -199,67 +520,158 @@ def run_closed_loop(
     drift: str = "blur:0.8",
     threshold: float = 0.9,
     max_samples: int = 500,
-    threads: int = 1,
+    threads: int = 2,
     plot: Path | None = None,
+    report_html: Path | None = None,
     console: Console | None = None,
+    live: bool = True,
+    models: Any = None,
+    job_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run the loop once and return its figures (also printed, with a plot saved)."""
+    """Run the loop once and return its figures (also printed; a plot and a report saved).
+
+    ``models`` overrides the reference models (``distill.cache.ReferenceModels``);
+    ``job_params`` adds parameters to the job the drift trigger queues.
+    """
+    console = console or Console(stderr=True)
+    started = time.perf_counter()
+    with _quiet_logs(), LoopProgress(console, live=live) as progress:
+        models = models or _models(quick, console)
+        report = _run(
+            settings,
+            models=models,
+            quick=quick,
+            frames=frames,
+            agents=agents,
+            drift=drift,
+            threshold=threshold,
+            max_samples=max_samples,
+            threads=threads,
+            progress=progress,
+            started=started,
+            job_params=job_params or {},
+        )
+    report["goals"] = _goals(report)
+    report["wall_s"] = round(time.perf_counter() - started, 1)
+    _print_table(console, report)
+    plot = plot or Path("closed_loop.svg")
+    _write_svg(plot, report)
+    report["plot"] = str(plot)
+    if report_html is not None:
+        from simulations.report import write_report
+
+        write_report(report_html, report)
+        report["report"] = str(report_html)
+        console.print(f"report: {report_html.resolve()}")
+    return report
+
+
+def _run(
+    settings: EdgeLoopSettings | None,
+    *,
+    models: Any,
+    quick: bool,
+    frames: int,
+    agents: int,
+    drift: str,
+    threshold: float,
+    max_samples: int,
+    threads: int,
+    progress: LoopProgress,
+    started: float,
+    job_params: dict[str, Any],
+) -> dict[str, Any]:
+    from sqlalchemy import func, select
+
     from cloud_service import registry
     from cloud_service.announce import MqttAnnouncer
-    from cloud_service.api.state import load_signing_key
+    from cloud_service.api import create_app
+    from cloud_service.db import crud
+    from cloud_service.db.models import Sample
     from cloud_service.settings import CloudSettings
     from cloud_service.worker import VerifierWorker
-    from distill import schedules
+    from distill import jobs, schedules
     from distill.cache import ReferenceConfig
-    from distill.drift import DriftSchedule, FrameStream, parse_drift_spec
+    from distill.drift import parse_drift_spec
     from distill.pipeline import PipelineServices, make_runner
     from distill.scenario import render_split
     from distill.worker import DistillWorker
+    from edge_agent.sources.http import ApiServer
+    from shared import EmbeddedBroker, MqttTarget
 
-    console = console or Console(stderr=True)
-    started = time.perf_counter()
-    models = _models(quick, console)
     scenario = ReferenceConfig.reference(quick=quick).scenario
-    pool = render_split("stream", scenario)
-    spec = parse_drift_spec(drift)
+    live_pool, eval_pool = split_pool(render_split("stream", scenario))
+    spec = tuple(parse_drift_spec(drift))
     teacher = _session(models.teacher_onnx)
-    tmp = Path(tempfile.mkdtemp(prefix="edgeloop-closed-loop-"))
-    report: dict[str, Any] = {"drift": drift, "agents": agents, "frames_per_phase": frames}
+    timeline = _Timeline(started)
+    report: dict[str, Any] = {
+        "drift": drift,
+        "agents": agents,
+        "frames_per_phase": frames,
+        "threshold": threshold,
+        "quick": quick,
+        "pools": {"live_frames": len(live_pool), "evaluation_frames": len(eval_pool)},
+    }
+    prefix = settings.topic_prefix if settings else "edgeloop/v1"
 
-    with EmbeddedBroker() as broker:
+    with ExitStack() as stack:
+        # Everything the run stores (database, blobs, spools) goes when it ends.
+        tmp = Path(
+            stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="edgeloop-loop-", ignore_cleanup_errors=True)
+            )
+        )
+        broker = stack.enter_context(EmbeddedBroker())
         cloud = CloudSettings(
-            data_dir=tmp,
+            data_dir=tmp / "cloud",
             mqtt_url=broker.url,
             teacher_model=models.teacher_onnx,
             blob_fsync=False,
             max_queue_delay_ms=2.0,
             review_audit_share=0.0,
-            topic_prefix=settings.topic_prefix if settings else "edgeloop/v1",
+            topic_prefix=prefix,
+            rollout_tick_s=0,
         )
         topics = cloud.topics
         verifier = VerifierWorker(cloud)
         verifier.start()
-        sessions = verifier.sessions
-        key = load_signing_key(cloud)
+        stack.callback(verifier.stop)
         announcer = MqttAnnouncer(cloud.mqtt, client_id="closed-loop-announcer")
+        stack.callback(announcer.close)
+        app = create_app(cloud, worker=verifier, announcer=announcer)
+        state = app.state.edgeloop
+        sessions, key = state.sessions, state.signing_key
+        server = stack.enter_context(ApiServer(app))
+        progress.note(
+            f"[bold]closed loop[/]: broker {broker.url}, cloud API {server.url},"
+            f" {agents} agents, {frames} frames/agent/phase, drift {drift}"
+        )
         with sessions.begin() as s:
-            registry.register_model(
+            ref = registry.register_model(
                 session=s,
-                blobs=verifier.blobs,
+                blobs=state.blobs,
                 key=key,
                 artifact=models.student_int8_onnx,
                 name=MODEL,
-                version="ref",
                 format="int8",
             )
+            ref_version = ref.version
             registry.promote(
                 session=s,
                 announcer=announcer,
                 topics=topics,
                 fleet=FLEET,
                 name=MODEL,
-                version="ref",
+                version=ref_version,
             )
+            params: dict[str, Any] = {
+                "fleet": FLEET,
+                "max_samples": max_samples,
+                "threads": threads,
+                "drift_eval": drift,
+                "drift_eval_frames": 200,
+                **job_params,
+            }
             schedules.create_schedule(
                 session=s,
                 name="drift",
@@ -271,76 +683,63 @@ def run_closed_loop(
                     "max_disagreement": DISAGREEMENT_BOUND,
                     "min_samples": 50,
                 },
-                params={
-                    "fleet": FLEET,
-                    "max_samples": max_samples,
-                    "threads": threads,
-                    "drift_eval": f"{drift}",
-                    "drift_eval_frames": 200,
-                },
+                params=params,
             )
-        target = MqttTarget.parse(broker.url)
-        fleet_agents: list[SimAgent] = []
-        for i in range(agents):
-            name = f"cam-{i + 1}"
-            client = make_client(target, client_id=f"sim-{name}", protocol="3.1.1")
-            agent = SimAgent(
-                name=name,
-                client=client,
-                topics=topics,
-                public_key=key.public_key_b64,
-                blobs=verifier.blobs,
-                threshold=threshold,
-                engine=_session(models.student_int8_onnx),
-            )
-            client.on_message = agent.on_message
-            client.connect(target.host, target.port)
-            client.subscribe(topics.fleet_models(FLEET), qos=1)
-            client.loop_start()
-            fleet_agents.append(agent)
-        time.sleep(0.5)
+            tokens = []
+            for i in range(agents):
+                name = f"cam-{i + 1}"
+                one_time, _ = crud.create_enrollment_token(
+                    session=s, fleet=FLEET, agent_id=name, ttl_s=600
+                )
+                _, api_token = crud.enroll_agent(session=s, token=one_time, agent_id=name)
+                tokens.append((name, api_token))
 
-        def phase(name: str, drifted: bool, seed: int, forward: bool = True) -> dict[str, float]:
-            stats = PhaseStats()
-            streams = [
-                iter(
-                    FrameStream(
-                        pool,
-                        drift=spec if drifted else (),
-                        schedule=DriftSchedule("abrupt", 0),
-                        limit=frames,
-                        seed=seed * 100 + i,
-                    )
-                )
-                for i in range(agents)
-            ]
-            for step in range(frames):
-                for agent, stream in zip(fleet_agents, streams, strict=True):
-                    item = next(stream)
-                    t_label = int(np.argmax(teacher.run(None, {"frames": item.frame[None]})[0][0]))
-                    if forward:
-                        agent.process(item.frame, item.label, t_label, stats)
-                    else:  # measurement only: nothing goes to the cloud
-                        scores, _ = agent.answer(item.frame)
-                        stats.frames += 1
-                        stats.edge_correct += int(int(np.argmax(scores)) == item.label)
-                        stats.teacher_correct += int(t_label == item.label)
-                if step % 100 == 0:
-                    console.print(f"  {name}: {step}/{frames} frames per agent")
-            row = stats.row()
-            console.print(
-                f"[bold]{name}[/]: "
-                + ", ".join(
-                    f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float) and v <= 1
-                )
+        fleet_agents: list[_LoopAgent] = []
+        fleet = _Fleet(fleet_agents, teacher, timeline, progress, frames)
+        target = MqttTarget.parse(broker.url)
+        for i, (name, api_token) in enumerate(tokens):
+            agent_settings = AgentSettings(
+                data_dir=tmp / name,
+                model_path=models.student_int8_onnx,
+                fleet=FLEET,
+                agent_id=name,
+                mqtt_url=f"mqtt://{target.host}:{target.port}",
+                mqtt_protocol="3.1.1",
+                topic_prefix=prefix,
+                fleet_public_key=key.public_key_b64,
+                cloud_url=server.url,
+                api_token=api_token,
+                route_max_prob_below=threshold,
+                intra_op_threads=1,
+                warmup_runs=1,
+                max_wait_ms=0.5,
+                heartbeat_s=5.0,
+                resend_after_s=20.0,
+                updater_nice=0,
             )
-            return row
+            agent = _LoopAgent(
+                agent_settings, loop=fleet, start_sources=False, rng=random.Random(100 + i)
+            )
+            stack.enter_context(agent)
+            fleet_agents.append(agent)
+
+        def on_version(version: str, timeout: float = 60.0) -> bool:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if all(a.engine.version == version for a in fleet_agents):
+                    return True
+                time.sleep(0.1)
+            return False
+
+        report["audit_share"] = fleet_agents[0].settings.audit_share if fleet_agents else None
+        ready = on_version(ref_version)
+        report["serving_version"] = ref_version
+        progress.note(
+            f"{agents} agents enrolled; serving {ref_version}"
+            + ("" if ready else " [yellow](not every agent confirmed it)[/]")
+        )
 
         def wait_verified(timeout: float = 120.0) -> int:
-            from sqlalchemy import func, select
-
-            from cloud_service.db.models import Sample
-
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 with sessions() as s:
@@ -350,22 +749,39 @@ def run_closed_loop(
                 if not pending:
                     break
                 time.sleep(0.2)
-            time.sleep(0.5)
             with sessions() as s:
                 return int(s.scalar(select(func.count()).select_from(Sample)) or 0)
 
-        console.print(
-            f"[bold]closed loop[/]: {agents} agents, {frames} frames/agent/phase, drift {drift}"
-        )
-        report["before"] = phase("before drift (clean)", False, 1)
-        report["before_clean_edge"] = report["before"]["edge_accuracy"]
+        def show(title: str, row: dict[str, Any]) -> None:
+            progress.note(
+                f"[bold]{title}[/]: edge {row['edge_accuracy']:.1%}, forward"
+                f" {row['forward_rate']:.1%}, hybrid {row['hybrid_accuracy']:.1%},"
+                f" teacher-only {row['teacher_only_accuracy']:.1%}"
+            )
+
+        # -- the fleet before and under drift (live pool) --------------------------------
+        report["live_before"] = fleet.run_phase("clean", live_pool, (), 1, live=True)
+        show("clean (live)", report["live_before"])
         wait_verified()
         with sessions.begin() as s:
             fired_early = schedules.tick(session=s)
         report["trigger_fired_before_drift"] = bool(fired_early)
-        report["drifted"] = phase("drifted", True, 2)
-        report["drifted_clean"] = phase("drifted: clean stream (measure)", False, 3, forward=False)
+        timeline.mark("drift starts")
+        report["live_drifted"] = fleet.run_phase("drifted", live_pool, spec, 2, live=True)
+        show("drifted (live)", report["live_drifted"])
         stored = wait_verified()
+
+        # -- the serving student on the evaluation frames (measured, nothing sent) -----
+        report["before"] = fleet.run_phase(
+            "measure: clean", eval_pool, (), EVAL_CLEAN_SEED, live=False
+        )
+        report["drifted"] = fleet.run_phase(
+            "measure: drifted", eval_pool, spec, EVAL_DRIFT_SEED, live=False
+        )
+        show("serving student, evaluation frames, clean", report["before"])
+        show("serving student, evaluation frames, drifted", report["drifted"])
+
+        # -- the trigger ---------------------------------------------------------------
         with sessions.begin() as s:
             fired = fired_early if fired_early else schedules.tick(session=s)
             check = schedules.evaluate_trigger(
@@ -376,27 +792,14 @@ def run_closed_loop(
         report["samples_stored"] = stored
         report["trigger_fired"] = bool(fired)
         report["trigger_stats"] = check.stats
-        console.print(
-            f"trigger fired: {bool(fired)} (jobs {fired}); {stored} samples; {check.stats}"
-        )
+        progress.note(f"trigger fired: {bool(fired)} (jobs {fired}); {stored} samples stored")
 
         # -- one round -----------------------------------------------------------------
         round_started = time.perf_counter()
-
-        def show(job_id: int, phase_: str, percent: float) -> None:
-            console.print(f"  job {job_id}: {phase_} {percent:5.1f}%", highlight=False)
-
-        last = {"p": ""}
-
-        def throttled(job_id: int, phase_: str, percent: float) -> None:
-            key_ = f"{phase_}{int(percent) // 10}"
-            if key_ != last["p"]:
-                last["p"] = key_
-                show(job_id, phase_, percent)
-
+        t_round = timeline.now()
         services = PipelineServices(
             sessions=sessions,
-            blobs=verifier.blobs,
+            blobs=state.blobs,
             work_dir=tmp,
             signing_key=key,
             announcer=announcer,
@@ -404,13 +807,11 @@ def run_closed_loop(
             base_checkpoint=models.student_pt,
             teacher_model=models.teacher_onnx,
             scenario=scenario,
-            console_progress=throttled,
+            console_progress=progress.job,
         )
         worker = DistillWorker(sessions, runner=make_runner(services), lease_s=30)
         job_id = worker.run_once()
-        round_s = time.perf_counter() - round_started
-        from distill import jobs
-
+        job_wall = time.perf_counter() - round_started
         with sessions() as s:
             job = jobs.get_job(session=s, job_id=job_id) if job_id else None
             report["job"] = (
@@ -424,35 +825,39 @@ def run_closed_loop(
                     "gate": job.metrics.get("gate"),
                     "evaluation": job.metrics.get("evaluation"),
                     "dataset": job.metrics.get("dataset"),
+                    "train": job.metrics.get("train"),
+                    "calibration": job.metrics.get("calibration"),
                     "timings": job.metrics.get("timings"),
                 }
             )
-        deadline = time.monotonic() + 20
         want = report["job"]["version"] if report["job"] else None
-        while want and time.monotonic() < deadline and any(a.version != want for a in fleet_agents):
-            time.sleep(0.1)
-        report["agents_on"] = {a.name: a.version for a in fleet_agents}
+        delivered = on_version(want, timeout=60.0) if want else False
+        report["agents_on"] = {a.settings.agent_id: a.engine.version for a in fleet_agents}
+        report["delivered"] = delivered
         report["round_s"] = round(time.perf_counter() - round_started, 1)
-        report["job_wall_s"] = round(round_s, 1)
-        console.print(f"round took {report['round_s']} s; agents now on {report['agents_on']}")
-
-        report["after"] = phase("after one round (drifted)", True, 4)
-        report["after_clean"] = phase(
-            "after one round: clean stream (measure)", False, 5, forward=False
+        report["job_wall_s"] = round(job_wall, 1)
+        with timeline.lock:
+            n = len(timeline.frames)
+            timeline.spans.append(("distillation round", n, n, t_round, timeline.now()))
+        progress.note(
+            f"round took {report['round_s']} s (job {report['job_wall_s']} s);"
+            f" agents now on {report['agents_on']}"
         )
+        if report["job"] and report["job"]["gate"] and not report["job"]["gate"]["passed"]:
+            progress.note(f"[yellow]gate refused: {report['job']['gate']['reasons']}[/]")
 
-        for agent in fleet_agents:
-            agent.client.disconnect()
-            agent.client.loop_stop()
-        announcer.close()
-        verifier.stop()
+        # -- after: new frames (evaluation pool), live through the fleet -----------------
+        report["after"] = fleet.run_phase(
+            "after one round", eval_pool, spec, EVAL_DRIFT_SEED, live=True
+        )
+        show("after one round, evaluation frames, drifted (live)", report["after"])
+        report["after_clean"] = fleet.run_phase(
+            "measure: clean after", eval_pool, (), EVAL_CLEAN_SEED, live=False
+        )
+        show("after one round, evaluation frames, clean", report["after_clean"])
+        report["versions"] = {"before": ref_version, "after": report["agents_on"]}
 
-    report["goals"] = _goals(report)
-    report["wall_s"] = round(time.perf_counter() - started, 1)
-    _print_table(console, report)
-    plot = plot or Path("closed_loop.svg")
-    _write_svg(plot, report)
-    report["plot"] = str(plot)
+    report["timeline"] = timeline.as_dict()
     return report
 
 
@@ -467,8 +872,7 @@ def _goals(r: dict[str, Any]) -> dict[str, Any]:
         "drifted_acc_ge_90pct_of_pre": after >= 0.9 * pre,
         "half_gap_closed": gap <= 0 or (after - drifted) >= 0.5 * gap,
         "gap_closed_share": None if gap <= 0 else round((after - drifted) / gap, 3),
-        "forgetting_le_2pt": r["before"]["edge_accuracy"] - r["after_clean"]["edge_accuracy"]
-        <= 0.02,
+        "forgetting_le_2pt": pre - r["after_clean"]["edge_accuracy"] <= 0.02,
         "forward_rate_down_30pct": r["after"]["forward_rate"] <= 0.7 * r["drifted"]["forward_rate"],
         "hybrid_ge_99pct_teacher": r["after"]["hybrid_accuracy"]
         >= 0.99 * r["after"]["teacher_only_accuracy"],
@@ -477,16 +881,16 @@ def _goals(r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _print_table(console: Console, r: dict[str, Any]) -> None:
-    table = Table(title=f"closed loop: {r['agents']} agents, drift {r['drift']}")
-    table.add_column("")
-    for col in ("before drift", "drifted", "after one round"):
-        table.add_column(col, justify="right")
+def table_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """The headline table: (figure, before drift, drifted, after one round)."""
 
     def pct(v: float) -> str:
         return f"{100 * v:.1f}%"
 
-    rows = [
+    def row(label: str, key: str, first: str = "before") -> tuple[str, str, str, str]:
+        return (label, pct(r[first][key]), pct(r["drifted"][key]), pct(r["after"][key]))
+
+    return [
         (
             "edge acc, drifted stream",
             "-",
@@ -496,35 +900,22 @@ def _print_table(console: Console, r: dict[str, Any]) -> None:
         (
             "edge acc, clean stream",
             pct(r["before"]["edge_accuracy"]),
-            pct(r["drifted_clean"]["edge_accuracy"]),
+            "-",
             pct(r["after_clean"]["edge_accuracy"]),
         ),
-        (
-            "forward rate",
-            pct(r["before"]["forward_rate"]),
-            pct(r["drifted"]["forward_rate"]),
-            pct(r["after"]["forward_rate"]),
-        ),
-        (
-            "hybrid accuracy",
-            pct(r["before"]["hybrid_accuracy"]),
-            pct(r["drifted"]["hybrid_accuracy"]),
-            pct(r["after"]["hybrid_accuracy"]),
-        ),
-        (
-            "teacher-only accuracy",
-            pct(r["before"]["teacher_only_accuracy"]),
-            pct(r["drifted"]["teacher_only_accuracy"]),
-            pct(r["after"]["teacher_only_accuracy"]),
-        ),
-        (
-            "uplink vs every frame",
-            pct(r["before"]["uplink_share"]),
-            pct(r["drifted"]["uplink_share"]),
-            pct(r["after"]["uplink_share"]),
-        ),
+        row("forward rate", "forward_rate"),
+        row("hybrid accuracy", "hybrid_accuracy"),
+        row("teacher-only accuracy", "teacher_only_accuracy"),
+        row("uplink vs every frame", "uplink_share"),
     ]
-    for row in rows:
+
+
+def _print_table(console: Console, r: dict[str, Any]) -> None:
+    table = Table(title=f"closed loop: {r['agents']} agents, drift {r['drift']}")
+    table.add_column("")
+    for col in ("before drift", "drifted", "after one round"):
+        table.add_column(col, justify="right")
+    for row in table_rows(r):
         table.add_row(*row)
     console.print(table)
     console.print(f"round (trigger -> job -> agents): {r['round_s']} s; whole run {r['wall_s']} s")
@@ -532,7 +923,7 @@ def _print_table(console: Console, r: dict[str, Any]) -> None:
 
 
 def _write_svg(path: Path, r: dict[str, Any]) -> None:
-    """A small bar chart (edge accuracy and forward rate per phase), no plotting library."""
+    """A small bar chart (edge accuracy and forward rate per column), no plotting library."""
     bars = [
         ("clean, before", r["before"]["edge_accuracy"], r["before"]["forward_rate"]),
         ("drifted", r["drifted"]["edge_accuracy"], r["drifted"]["forward_rate"]),
@@ -541,7 +932,8 @@ def _write_svg(path: Path, r: dict[str, Any]) -> None:
     ]
     w, h, base = 560, 300, 250
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',  # noqa: E501
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}"'
+        ' font-family="sans-serif" font-size="12">',
         f'<text x="10" y="18" font-size="14">EdgeLoop closed loop: drift {r["drift"]}</text>',
         f'<line x1="40" y1="{base}" x2="{w - 10}" y2="{base}" stroke="#333"/>',
     ]
@@ -555,30 +947,36 @@ def _write_svg(path: Path, r: dict[str, Any]) -> None:
         if fwd is not None:
             fh = fwd * 200
             parts.append(
-                f'<rect x="{x + 45}" y="{base - fh:.1f}" width="40" height="{fh:.1f}" fill="#e07b39"/>'  # noqa: E501
+                f'<rect x="{x + 45}" y="{base - fh:.1f}" width="40" height="{fh:.1f}"'
+                ' fill="#e07b39"/>'
             )
             parts.append(f'<text x="{x + 45}" y="{base - fh - 4:.1f}">{100 * fwd:.0f}%</text>')
         parts.append(f'<text x="{x}" y="{base + 16}">{label}</text>')
     parts.append(
-        '<rect x="380" y="30" width="10" height="10" fill="#3b7dd8"/><text x="395" y="39">edge accuracy</text>'  # noqa: E501
+        '<rect x="380" y="30" width="10" height="10" fill="#3b7dd8"/>'
+        '<text x="395" y="39">edge accuracy</text>'
     )
     parts.append(
-        '<rect x="380" y="46" width="10" height="10" fill="#e07b39"/><text x="395" y="55">forward rate</text>'  # noqa: E501
+        '<rect x="380" y="46" width="10" height="10" fill="#e07b39"/>'
+        '<text x="395" y="55">forward rate</text>'
     )
     parts.append("</svg>")
     path.write_text("\n".join(parts))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    import argparse
+
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small, fast-trained models")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--frames", type=int, default=400, help="frames per agent per phase")
     parser.add_argument("--agents", type=int, default=3)
     parser.add_argument("--drift", default="blur:0.8")
     parser.add_argument("--threshold", type=float, default=0.9)
-    parser.add_argument("--threads", type=int, default=1, help="the job's thread limit")
+    parser.add_argument("--threads", type=int, default=2, help="the job's thread limit")
     parser.add_argument("--plot", type=Path, default=Path("closed_loop.svg"))
+    parser.add_argument("--report", type=Path, default=None, help="write an HTML report here")
     args = parser.parse_args()
     report = run_closed_loop(
         None,
@@ -589,6 +987,7 @@ def main() -> None:
         threshold=args.threshold,
         threads=args.threads,
         plot=args.plot,
+        report_html=args.report,
     )
     if args.json:
         print(json.dumps(report, indent=2, default=str))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,24 @@ def test_gate_refuses_a_worse_model() -> None:
         "serving": {"holdout": 0.60, "reference": 0.90},
     }
     assert gate(better, min_gain=0.0, max_reference_drop=0.02, int8_tolerance=0.02).passed
+
+
+def test_int8_calibration_mixes_recent_and_replay_frames() -> None:
+    from distill.pipeline import _calibration_frames
+
+    rng = np.random.default_rng(0)
+    recent = np.zeros((300, 4, 4, 3), np.uint8)
+    val = np.ones((40, 4, 4, 3), np.uint8)
+    replay = np.full((500, 4, 4, 3), 2, np.uint8)
+    picked = _calibration_frames(recent, val, replay, 256, rng)
+    kinds = picked[:, 0, 0, 0]
+    assert len(picked) == 256
+    assert (kinds == 2).sum() == 128 and ((kinds == 0) | (kinds == 1)).sum() == 128
+    # Few recent frames: all of them, the rest replay; no replay: recent only.
+    few = _calibration_frames(recent[:20], val[:0], replay, 256, rng)
+    assert len(few) == 256 and (few[:, 0, 0, 0] == 0).sum() == 20
+    alone = _calibration_frames(recent, val, replay[:0], 256, rng)
+    assert len(alone) == 256 and (alone[:, 0, 0, 0] != 2).all()
 
 
 def _png(frame: np.ndarray) -> bytes:
@@ -136,7 +155,7 @@ def seed_verified(
 @pytest.fixture
 def setup(
     tmp_path: Path, quick_models: ReferenceModels, quick_scenario: ScenarioConfig
-) -> dict[str, Any]:
+) -> Iterator[dict[str, Any]]:
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
     upgrade_database(url)
     engine = make_engine(url)
@@ -211,6 +230,10 @@ def test_a_quick_job_end_to_end_registers_and_delivers(setup: dict[str, Any]) ->
         assert set(ev) == {"new_fp32", "new_int8", "serving"}
         assert {"holdout", "reference", "drift:blur:1", "drift:noise:0.5"} <= set(ev["new_int8"])
         assert m["gate"]["passed"], m["gate"]
+        # The confidence was calibrated (a temperature folded in) and INT8 calibrated
+        # on recent and replay frames.
+        assert 0.25 <= m["calibration"]["temperature"] <= 8.0
+        assert m["calibration"]["int8_frames"] > 0
         assert ev["new_int8"]["holdout"] > ev["serving"]["holdout"]
         # lineage: job, snapshot, parent model
         version = job.result_version

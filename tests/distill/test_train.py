@@ -53,7 +53,9 @@ def test_training_is_deterministic_given_seed(small_test_set: FrameSet) -> None:
     c = train(TrainConfig(role="student", epochs=1, batch_size=32, seed=1), data, progress=False)
     for (name, pa), pb in zip(a.net.state_dict().items(), b.net.state_dict().values(), strict=True):
         torch.testing.assert_close(pa, pb, msg=name)
-    assert not torch.equal(a.net.features[0][0].weight, c.net.features[0][0].weight)
+    first_a = next(m for m in a.net.modules() if isinstance(m, torch.nn.Conv2d))
+    first_c = next(m for m in c.net.modules() if isinstance(m, torch.nn.Conv2d))
+    assert not torch.equal(first_a.weight, first_c.weight)
     assert a.metrics["distilled"] is True and c.metrics["distilled"] is False
     assert len(a.history) == 1 and "val_acc_drift" in a.history[0]
 
@@ -81,3 +83,46 @@ def test_bad_inputs_are_refused(small_test_set: FrameSet) -> None:
         TrainConfig(epochs=0)
     assert TrainConfig(role="teacher").arch == "teacher-cnn"
     assert "threads" not in TrainConfig().cache_fields()
+
+
+def test_temperature_scaling_recovers_and_folds_a_known_temperature() -> None:
+    from distill.models import build_model
+    from distill.train import fit_temperature, fold_temperature, net_logits
+
+    torch.manual_seed(0)
+    net = build_model("student-cnn", 10)
+    last = [m for m in net.modules() if isinstance(m, torch.nn.Linear)][-1]
+    with torch.no_grad():  # spread the random net's logits so labels depend on them
+        last.weight.mul_(30.0)
+        last.bias.mul_(30.0)
+    frames = np.random.default_rng(0).integers(0, 255, (600, 64, 64, 3), dtype=np.uint8)
+    logits = net_logits(net, frames)
+    # Labels drawn from softmax(logits / 2): the honest temperature is 2.
+    probs = torch.softmax(logits / 2.0, 1).double().numpy()
+    draw = np.random.default_rng(1)
+    labels = np.array([draw.choice(10, p=p / p.sum()) for p in probs])
+    t = fit_temperature(net, frames, labels)
+    assert 1.5 < t < 2.7
+    fold_temperature(net, t)
+    folded = net_logits(net, frames)
+    torch.testing.assert_close(folded, logits / t, rtol=1e-4, atol=1e-4)
+    assert torch.equal(folded.argmax(1), logits.argmax(1))  # predictions never change
+    assert fit_temperature(net, frames[:0], labels[:0]) == 1.0
+
+
+def test_random_shift_moves_frames_and_keeps_their_pixels() -> None:
+    from distill.train import random_shift
+
+    frames = np.random.default_rng(0).integers(0, 255, (16, 64, 64, 3), dtype=np.uint8)
+    rng = np.random.default_rng(1)
+    np.testing.assert_array_equal(random_shift(frames, rng, max_px=0), frames)
+    moved = random_shift(frames, rng, max_px=4)
+    assert moved.shape == frames.shape and moved.dtype == np.uint8
+    assert not np.array_equal(moved, frames)
+    # The centre of each frame is still in view, moved by at most 4 pixels.
+    for a, b in zip(frames, moved, strict=True):
+        assert any(
+            np.array_equal(a[8:56, 8:56], b[8 + dy : 56 + dy, 8 + dx : 56 + dx])
+            for dy in range(-4, 5)
+            for dx in range(-4, 5)
+        )
