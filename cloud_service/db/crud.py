@@ -252,6 +252,10 @@ def create_enrollment_token(
     return token, expires_at
 
 
+# How long the agent that spent a token may spend it again (a retry after a lost answer).
+ENROLL_RETRY_S = 300.0
+
+
 def enroll_agent(
     *, session: Session, token: str, agent_id: str | None, now: datetime | None = None
 ) -> tuple[Agent, str]:
@@ -265,9 +269,16 @@ def enroll_agent(
     ).first()
     if record is None:
         raise AuthError("enrollment token is not known: ask an admin for a new one")
-    if record.used_at is not None:
+    if record.used_at is not None and not (
+        # The same agent asking again soon after: its answer was most likely lost on the
+        # way (a dropped connection, an API restart after the commit). It is re-keyed;
+        # the credentials of the lost answer stop working.
+        (agent_id or record.agent_id) is not None
+        and record.used_by == (agent_id or record.agent_id)
+        and now - record.used_at <= timedelta(seconds=ENROLL_RETRY_S)
+    ):
         raise ConflictError("enrollment token was already used: ask an admin for a new one")
-    if record.expires_at <= now:
+    if record.used_at is None and record.expires_at <= now:
         raise AuthError(f"enrollment token expired at {record.expires_at.isoformat()}")
     if record.agent_id is not None and agent_id is not None and agent_id != record.agent_id:
         raise ConflictError(
@@ -284,7 +295,8 @@ def enroll_agent(
     api_token = "ela_" + secrets.token_urlsafe(32)
     agent.api_token_hash = hash_token(api_token)
     agent.enrolled_at = now
-    record.used_at = now
+    if record.used_at is None:  # a retry does not move the window
+        record.used_at = now
     record.used_by = chosen
     return agent, api_token
 

@@ -65,8 +65,17 @@ def test_enrollment_flow(client: TestClient) -> None:
     key = FleetSigningKey.load(client.app.state.edgeloop.settings.resolved_signing_key_file)  # type: ignore[attr-defined]
     assert body["fleet_public_key"] == key.public_key_b64 and body["key_id"] == key.key_id
     assert body["api_token"].startswith("ela_")
+    # The same agent again (its answer was lost): re-keyed, the first API token retired.
     again = client.post("/v1/enroll", json={"token": token, "agent_id": "cam-7"})
-    assert again.status_code == 409 and "already used" in again.json()["detail"]
+    assert again.status_code == 200, again.text
+    assert again.json()["api_token"] != body["api_token"]
+    old_auth = {"Authorization": f"Bearer {body['api_token']}"}
+    new_auth = {"Authorization": f"Bearer {again.json()['api_token']}"}
+    artifact = "/v1/models/none/none/artifact"
+    assert client.get(artifact, headers=old_auth).status_code == 401
+    assert client.get(artifact, headers=new_auth).status_code == 404
+    other = client.post("/v1/enroll", json={"token": token, "agent_id": "cam-8"})
+    assert other.status_code == 409 and "already used" in other.json()["detail"]
     unknown = client.post("/v1/enroll", json={"token": "elt_nope-nope", "agent_id": None})
     assert unknown.status_code == 401 and "not known" in unknown.json()["detail"]
     agents = client.get("/v1/agents", headers=ADMIN).json()
