@@ -57,6 +57,10 @@ CLIENTS = 2 * MAX_BATCH
 INTRA_OP_THREADS = 0  # ORT's default (one per core), for the agent and every baseline
 SPINNING = os.environ.get("BENCH_ORT_SPINNING", "0") == "1"  # the agent's ort_spinning
 DECODE_THREADS = 2  # the agent's http_decode_threads, and the baseline's decode threads
+# BENCH_ROUTING=off: nothing is forwarded (no low-confidence routing, no audit samples),
+# to tell the forward path's cost from the rest of the agent's.
+ROUTING_OFF = os.environ.get("BENCH_ROUTING", "default") == "off"
+_ROUTING_OFF_SETTINGS: dict[str, Any] = {"route_max_prob_below": 0.0, "audit_share": 0.0}
 
 
 def _broker_url() -> str:
@@ -184,7 +188,8 @@ def _write_config(workdir: Path, model: Path, port: int) -> Path:
         f"intra_op_threads = {INTRA_OP_THREADS}\nhttp_decode_threads = {DECODE_THREADS}\n"
         f"ort_spinning = {str(SPINNING).lower()}\n"
         'log_level = "WARNING"\n'
-        f'topic_prefix = "edgeloop-bench/v1"\n'
+        + "".join(f"{k} = {v}\n" for k, v in _ROUTING_OFF_SETTINGS.items() if ROUTING_OFF)
+        + 'topic_prefix = "edgeloop-bench/v1"\n'
     )
     return config
 
@@ -378,6 +383,7 @@ def _video_source(model: Path, video: Path, repeats: int, window_s: float) -> di
             intra_op_threads=INTRA_OP_THREADS,
             ort_spinning=SPINNING,
             cameras=[CameraSource(name="video", uri=str(video), max_fps=10_000.0)],
+            **(_ROUTING_OFF_SETTINGS if ROUTING_OFF else {}),
         )
         with Agent(settings, publisher=MemoryPublisher(auto_receipt=True)) as agent:
             time.sleep(1.0)  # past the first frames
@@ -519,7 +525,8 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
         " agent and the raw loops decode with edge_agent.imaging.decode_for_model (OpenCV;"
         " a JPEG >= 2x/4x the model input is decoded at 1/2 or 1/4 scale; resize; RGB);"
         " ORT intra-op threads at its default (one per core) everywhere; agent routing at"
-        " its defaults; RSS of `edge-agent run` after serving.",
+        f" {'off (BENCH_ROUTING=off)' if ROUTING_OFF else 'its defaults'};"
+        " RSS of `edge-agent run` after serving.",
     ]
     if video_rows:
         tables += [

@@ -6,8 +6,12 @@
 Entering starts the named background threads and stopping ends them in reverse:
 
 - ``inference-loop``  (MicroBatcher) batches frames across sources and runs the student
-- ``agent-post-*``    routes each answered frame; forwarded ones go into the spool
-- ``uplink-pump``     publishes due spool entries while the link is up
+- ``agent-post-*``    routes each answered frame and encodes the forwarded ones
+- ``spool-writer``    stores forwarded samples a micro-batch at a time (one transaction);
+                      a forwarded frame is answered once its sample is committed, and
+                      the batch is published right after, while the link keeps up
+- ``uplink-pump``     publishes what is due in the spool (samples stored while the link
+                      was down or backed up, resends) and applies held receipts
 - ``heartbeat-loop``  publishes the retained AgentStatus every ``heartbeat_s``
 - ``mqtt-io``         (MqttLink) the one thread that touches paho
 - ``webhook-loop``    posts verdicts to the user's application, when configured (a bounded
@@ -40,6 +44,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import cv2
 import numpy as np
 
 from edge_agent.batcher import BatchResult, MicroBatcher, WorkerPool
@@ -54,7 +59,7 @@ from edge_agent.imaging import (
 )
 from edge_agent.routing import Decision, Router
 from edge_agent.settings import AgentSettings
-from edge_agent.spool import Spool
+from edge_agent.spool import NewSample, Spool, SpoolWriter
 from edge_agent.telemetry import Telemetry
 from edge_agent.updates import ModelUpdater, active_model_path
 from edge_agent.uplink import Backoff, MqttLink, Publisher
@@ -267,6 +272,17 @@ class Agent:
         self.ready = False
         self.started_at = time.monotonic()
         self.spool_errors = 0
+        self._routing = 0  # answered frames not yet routed (and encoded when forwarded)
+        self._routing_lock = threading.Lock()
+        # Receipts that arrive while samples are being published are held and applied
+        # with the next spool transaction (a writer batch or the pump's sent-mark).
+        self._receipts_lock = threading.Lock()
+        self._publishing = 0
+        self._held_receipts: list[str] = []
+        # True until the pump has found the spool drained since the last (re)connect:
+        # until then new samples queue behind the backlog instead of jumping it.
+        self._uplink_backlogged = True
+        self._check_due = True  # something may be due that nobody published yet
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -276,6 +292,16 @@ class Agent:
         self.spool = Spool(
             s.resolved_spool_path, max_bytes=s.spool_max_bytes, max_samples=s.spool_max_samples
         )
+        # Forwarded samples gather while their batch's other frames are still being
+        # routed, for at most as long as the micro-batcher waits to fill a batch.
+        self.spool_writer = SpoolWriter(
+            self.spool,
+            clock=self.clock,
+            window_s=s.max_wait_ms / 1000.0,
+            max_batch=2 * max(1, s.max_batch),
+            uplink=_FreshSamples(self),
+            expecting=lambda: self._routing > 0,
+        ).start()
         self.verdicts = VerdictStore(s.resolved_spool_path, keep=s.verdicts_kept)
         self.router = Router(
             s.routing_policy, labels=list(self.engine.labels), clock=self.clock, rng=self._rng
@@ -339,6 +365,7 @@ class Agent:
         self.updater.stop()
         self.batcher.stop()
         self._post.shutdown(wait=True)
+        self.spool_writer.stop()  # stores (and answers) what is still queued
         for thread in self._threads:
             thread.join(5.0)
         # A clean disconnect does not fire the will: say "offline" ourselves.
@@ -400,6 +427,14 @@ class Agent:
         tensor = resize_for_model(rgb, self.engine.input_hw)
         return self._submit(tensor, rgb, source, encoded, info, started, block)
 
+    def submit_bgr(
+        self, bgr: np.ndarray, *, source: str, block: bool = True
+    ) -> Future[FrameResult]:
+        """Queue one BGR frame as OpenCV captures it (resized first, then converted to RGB)."""
+        started = time.perf_counter()
+        tensor = cv2.cvtColor(resize_for_model(bgr, self.engine.input_hw), cv2.COLOR_BGR2RGB)
+        return self._submit(tensor, bgr, source, None, None, started, block, bgr=True)
+
     def submit_frame(
         self, frame: ModelFrame, *, source: str, block: bool = True
     ) -> Future[FrameResult]:
@@ -419,6 +454,8 @@ class Agent:
         info: ImageInfo | None,
         started: float,
         block: bool,
+        *,
+        bgr: bool = False,
     ) -> Future[FrameResult]:
         captured_at = datetime.now(UTC)
         inner = self.batcher.submit(tensor, block=block)
@@ -426,19 +463,28 @@ class Agent:
 
         def finish(done: Future[BatchResult]) -> None:
             try:
-                result = self._finish(
-                    done.result(), rgb, source, encoded, info, captured_at, started
+                self._finish(
+                    done.result(), rgb, source, encoded, info, captured_at, started, outer, bgr
                 )
             except BaseException as exc:
-                outer.set_exception(exc)
-            else:
-                outer.set_result(result)
+                if not outer.done():
+                    outer.set_exception(exc)
+            finally:
+                with self._routing_lock:
+                    self._routing -= 1
+                    last = self._routing == 0
+                if last:
+                    self.spool_writer.nudge()  # its batch is complete: commit now
 
         def hand_over(done: Future[BatchResult]) -> None:
             # Routing and spooling run off the inference thread so batches keep flowing.
+            with self._routing_lock:
+                self._routing += 1
             try:
                 self._post.submit(finish, done)
             except RuntimeError as exc:  # executor shut down: the agent is stopping
+                with self._routing_lock:
+                    self._routing -= 1
                 outer.set_exception(exc)
 
         inner.add_done_callback(hand_over)
@@ -456,13 +502,16 @@ class Agent:
     def _finish(
         self,
         batch: BatchResult,
-        rgb: np.ndarray | None,
+        frame: np.ndarray | None,
         source: str,
         encoded: bytes | None,
         info: ImageInfo | None,
         captured_at: datetime,
         started: float,
-    ) -> FrameResult:
+        outer: Future[FrameResult],
+        bgr: bool = False,
+    ) -> None:
+        """Route one answered frame and resolve ``outer``: at once, or once it is spooled."""
         scores = batch.scores
         engine = batch.engine
         with self._router_lock:
@@ -470,51 +519,80 @@ class Agent:
         if decision.over_budget:
             self.telemetry.over_budget.inc()
         sample_id = new_sample_id()
-        forwarded = False
         if decision.forward:
-            forwarded = self._spool_sample(
-                sample_id, decision, scores, engine, rgb, encoded, info, captured_at, source
+            sample = self._encode_sample(
+                sample_id, decision, scores, engine, frame, bgr, encoded, info, captured_at, source
             )
-        latency = time.perf_counter() - started
-        labels = engine.labels
-        result = FrameResult(
-            sample_id=sample_id,
-            label=labels[decision.predicted]
-            if decision.predicted < len(labels)
-            else str(decision.predicted),
-            predicted=decision.predicted,
-            scores=[float(x) for x in scores],
-            confidence=decision.confidence,
-            forwarded=forwarded,
-            route_reason=decision.reason,
-            priority=decision.priority,
-            over_budget=decision.over_budget,
-            latency_ms=latency * 1e3,
-            model_name=engine.name,
-            model_version=engine.version,
-            source=source,
-        )
-        self.telemetry.batch_size.observe(batch.batch_size)
-        self.telemetry.record_frame(source, latency, forwarded, decision.reason)
-        self._remember(result)
-        return result
+            if sample is not None:
 
-    def _spool_sample(
+                def stored(ok: bool, error: BaseException | None) -> None:
+                    if error is not None:
+                        # The frame is still answered; the failure is counted and shown.
+                        self.spool_errors += 1
+                        log.warning("could not spool sample %s: %s", sample_id, error)
+                    self._answer(outer, batch, decision, sample_id, source, started, ok)
+
+                self.spool_writer.submit(sample, stored)
+                return
+        self._answer(outer, batch, decision, sample_id, source, started, False)
+
+    def _answer(
+        self,
+        outer: Future[FrameResult],
+        batch: BatchResult,
+        decision: Decision,
+        sample_id: str,
+        source: str,
+        started: float,
+        forwarded: bool,
+    ) -> None:
+        try:
+            engine = batch.engine
+            latency = time.perf_counter() - started
+            labels = engine.labels
+            result = FrameResult(
+                sample_id=sample_id,
+                label=labels[decision.predicted]
+                if decision.predicted < len(labels)
+                else str(decision.predicted),
+                predicted=decision.predicted,
+                scores=[float(x) for x in batch.scores],
+                confidence=decision.confidence,
+                forwarded=forwarded,
+                route_reason=decision.reason,
+                priority=decision.priority,
+                over_budget=decision.over_budget,
+                latency_ms=latency * 1e3,
+                model_name=engine.name,
+                model_version=engine.version,
+                source=source,
+            )
+            self.telemetry.batch_size.observe(batch.batch_size)
+            self.telemetry.record_frame(source, latency, forwarded, decision.reason)
+            self._remember(result)
+        except BaseException as exc:
+            outer.set_exception(exc)
+        else:
+            outer.set_result(result)
+
+    def _encode_sample(
         self,
         sample_id: str,
         decision: Decision,
         scores: np.ndarray,
         engine: Engine,
-        rgb: np.ndarray | None,
+        frame: np.ndarray | None,
+        bgr: bool,
         encoded: bytes | None,
         info: ImageInfo | None,
         captured_at: datetime,
         source: str,
-    ) -> bool:
+    ) -> NewSample | None:
+        """The spool entry for a forwarded frame; None (counted) when it cannot be made."""
         s = self.settings
         try:
             if (
-                rgb is None
+                frame is None
                 and encoded is not None
                 and info is not None
                 and not s.upload_recompress
@@ -522,10 +600,14 @@ class Agent:
             ):
                 image, image_info = encoded, info  # an upload forwarded as received
             else:
-                if rgb is None:
+                if frame is None:
                     # Decoded at the model's size only: decode the full frame to re-encode it.
                     assert encoded is not None
                     rgb = self.decode(encoded).rgb
+                elif bgr:
+                    rgb = cv2.cvtColor(frame, cv2.COLOR_BGR2RGB)  # only for forwarded frames
+                else:
+                    rgb = frame
                 image, image_info = encode_for_upload(
                     rgb,
                     original=encoded,
@@ -553,21 +635,14 @@ class Agent:
                 meta={"source": source},
             )
             payload = encode_envelope(header, image, self._limits)
-            stored = self.spool.put(
-                sample_id,
-                payload,
-                priority=decision.priority,
-                audit=decision.reason == "audit",
-                now=self.clock(),
-            )
         except EdgeLoopError as exc:
             # The frame is still answered; the failure is counted and shown in status.
             self.spool_errors += 1
             log.warning("could not spool sample %s: %s", sample_id, exc)
-            return False
-        if stored:
-            self._spooled.set()
-        return stored
+            return None
+        return NewSample(
+            sample_id, payload, priority=decision.priority, audit=decision.reason == "audit"
+        )
 
     def _remember(self, result: FrameResult) -> None:
         with self._results_lock:
@@ -598,30 +673,92 @@ class Agent:
         # Whatever was in flight when the link dropped may be lost: send it all again
         # (the cloud stores by sample_id, so a repeat is stored once).
         self.spool.reset_sent()
+        self._uplink_backlogged = True
+        self._check_due = True
         self._spooled.set()
         self._publish_status()
 
+    def _begin_fresh(self) -> tuple[bool, list[str]]:
+        """Before a writer batch commits: publish it directly? and the receipts to apply."""
+        link = self.publisher
+        direct = not self._uplink_backlogged and link.connected and link.backlog < 200
+        with self._receipts_lock:
+            if direct:
+                self._publishing += 1
+            acked, self._held_receipts = self._held_receipts, []
+        return direct, acked
+
+    def _end_fresh(
+        self, published: bool, samples: list[NewSample], acked: list[str], removed: int | None
+    ) -> None:
+        """After a writer batch: publish it (committed, stored as sent) or leave it to the pump."""
+        wake = False
+        try:
+            if published:
+                for sample in samples:
+                    self.publisher.publish(self.topic_samples, sample.payload, qos=1)
+            elif samples:
+                self._check_due = True
+                wake = True
+        finally:
+            with self._receipts_lock:
+                if removed is None:
+                    self._held_receipts.extend(acked)  # the write failed: apply them later
+                if published:
+                    self._publishing -= 1
+                wake = wake or bool(self._held_receipts)
+        if removed is not None and acked:
+            self.telemetry.receipted.inc(removed)
+        if wake:
+            self._spooled.set()
+
     def _pump_loop(self) -> None:
         resend = self.settings.resend_after_s
+        checked = 0.0
         while not self._stopping.is_set():
             if self._spooled.wait(0.25):  # also wakes for resends after the timeout
                 # Gather what else is spooled meanwhile: one read and one sent-mark for the
                 # lot instead of a transaction pair per sample, for a few ms of delay.
                 self._stopping.wait(self.settings.uplink_coalesce_ms / 1000.0)
             self._spooled.clear()
-            while not self._stopping.is_set() and self.publisher.connected:
-                if self.publisher.backlog >= 200:
+            # Read the spool when something unpublished was stored, after a reconnect, and
+            # at least every 0.25 s for resends; a wake-up for receipts alone does not.
+            check_due = self._check_due or time.monotonic() - checked >= 0.25
+            self._check_due = False
+            while not self._stopping.is_set():
+                connected = self.publisher.connected
+                if connected and check_due and self.publisher.backlog >= 200:
                     time.sleep(0.01)  # let the io thread drain its outbox first
                     continue
+                due = []
+                receipted: list[str] = []
                 try:
-                    due = self.spool.due(now=self.clock(), resend_after_s=resend, limit=100)
-                    for item in due:
-                        self.publisher.publish(self.topic_samples, item.payload, qos=1)
-                    self.spool.mark_sent([i.sample_id for i in due], now=self.clock())
+                    if connected and check_due:
+                        checked = time.monotonic()
+                        due = self.spool.due(now=self.clock(), resend_after_s=resend, limit=100)
+                    with self._receipts_lock:
+                        self._publishing += 1
+                    try:
+                        for item in due:
+                            self.publisher.publish(self.topic_samples, item.payload, qos=1)
+                    finally:
+                        with self._receipts_lock:
+                            self._publishing -= 1
+                            receipted, self._held_receipts = self._held_receipts, []
+                    if due or receipted:
+                        removed = self.spool.settle(
+                            sent=[i.sample_id for i in due], acked=receipted, now=self.clock()
+                        )
+                        if receipted:
+                            self.telemetry.receipted.inc(removed)
                 except EdgeLoopError:
+                    with self._receipts_lock:
+                        self._held_receipts.extend(receipted)
                     log.exception("uplink pump failed; retrying")
                     break
                 if len(due) < 100:
+                    if connected and check_due:
+                        self._uplink_backlogged = False
                     break
 
     def handle_message(self, topic: str, payload: bytes) -> None:
@@ -631,6 +768,10 @@ class Agent:
                 self.updater.on_announcement(topic, payload)
             elif topic == self.topic_receipts:
                 receipt = decode_message(payload, Receipt)
+                with self._receipts_lock:
+                    if self._publishing:  # applied with the next spool write, moments away
+                        self._held_receipts.extend(receipt.sample_ids)
+                        return
                 removed = self.spool.ack(receipt.sample_ids)
                 self.telemetry.receipted.inc(removed)
             elif topic == self.topic_verdicts:
@@ -766,3 +907,18 @@ class Agent:
                     self._publish_status()
                 except Exception:  # telemetry must never stop the agent
                     log.exception("heartbeat failed")
+
+
+class _FreshSamples:
+    """The spool writer's way to the link: a batch is published as soon as it commits."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    def begin(self) -> tuple[bool, list[str]]:
+        return self._agent._begin_fresh()
+
+    def end(
+        self, published: bool, samples: list[NewSample], acked: list[str], removed: int | None
+    ) -> None:
+        self._agent._end_fresh(published, samples, acked, removed)

@@ -7,22 +7,46 @@ and ``reset_sent`` makes everything due again after a reconnect. Bounded by byte
 and by count: to make room, audit samples go first (oldest first), then the oldest
 of the rest; each eviction is counted by kind.
 
-Thread-safe: one connection guarded by a lock (SQLite writes serialise anyway, and
-the spool sees tens of writes per second, not thousands).
+Writes come in batches, one transaction each: ``write`` stores a micro-batch of
+forwarded samples (``put_many``), marks what was published as sent and deletes what
+was receipted, all in one transaction; ``SpoolWriter`` gathers the forward path's
+samples into such batches. Measured here with 20 KB envelopes: one ``put`` costs
+about 100 us of CPU and 250 us of wall time, a sample in a batch of eight about
+65 us; the rest is the row itself (overflow pages in the WAL). A batch is exactly
+the same as the single writes in its order: the same rows, evictions, counters and
+return values, and all of it or none is committed. Durability: WAL with
+synchronous=NORMAL, so a committed sample survives a crash of the agent process; a
+power cut may lose the last commits (FULL would fsync each one, too slow for SD
+cards).
+
+Thread-safe: one connection guarded by a lock (SQLite writes serialise anyway).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import sqlite3
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from shared.errors import StoreError
 
-__all__ = ["Spool", "SpoolStats", "SpooledSample"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "NewSample",
+    "Spool",
+    "SpoolStats",
+    "SpoolWriter",
+    "SpooledSample",
+    "WriteResult",
+    "WriterUplink",
+]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS samples (
@@ -47,6 +71,24 @@ class SpooledSample:
     payload: bytes
     priority: int
     attempts: int
+
+
+@dataclass(frozen=True)
+class NewSample:
+    """One sample for ``put_many``."""
+
+    sample_id: str
+    payload: bytes
+    priority: int
+    audit: bool
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """What ``Spool.write`` did: per new sample whether it is stored, and receipts applied."""
+
+    stored: list[bool]
+    removed: int
 
 
 @dataclass(frozen=True)
@@ -110,45 +152,114 @@ class Spool:
         self, sample_id: str, payload: bytes, *, priority: int, audit: bool, now: float
     ) -> bool:
         """Store a sample, evicting to make room; False if it can never fit (counted)."""
-        size = len(payload)
+        return self.put_many([NewSample(sample_id, payload, priority, audit)], now=now)[0]
+
+    def put_many(self, samples: Sequence[NewSample], *, now: float) -> list[bool]:
+        """Store samples in one transaction, as ``put`` one after another would.
+
+        Per sample: True when it is in the spool once this returns (or was already:
+        a repeated id is stored once), False when it can never fit (counted). Either
+        all of the batch is committed or none (StoreError).
+        """
+        return self.write(samples, now=now).stored
+
+    def write(
+        self,
+        samples: Sequence[NewSample] = (),
+        *,
+        now: float,
+        published: bool = False,
+        sent: Iterable[str] = (),
+        acked: Iterable[str] = (),
+    ) -> WriteResult:
+        """One transaction: store ``samples`` (as ``put_many``), mark ``sent``, delete ``acked``.
+
+        ``published``: the new samples are handed to the link right after this commit,
+        so they are stored as sent at ``now`` (due again after the resend timeout, or
+        at once after ``reset_sent``), and no ``due`` call reads them back.
+        A sample both sent and acked is deleted (the receipt wins).
+        """
+        sent_ids, acked_ids = list(sent), list(acked)
+        if not samples and not sent_ids and not acked_ids:
+            return WriteResult([], 0)
+        stored: list[bool] = []
+        counts = {"stored": 0, "refused": 0, "evicted_audit": 0, "evicted_oldest": 0}
+        removed, freed = 0, 0
+        sent_at, attempts = (now, 1) if published else (None, 0)
         with self._lock:
+            depth, total = self._depth, self._bytes
             try:
                 self._db.execute("BEGIN IMMEDIATE")
-                if size > self.max_bytes:
-                    self._bump("refused")
-                    self._db.execute("COMMIT")
-                    return False
-                self._make_room(size)
-                cursor = self._db.execute(
-                    "INSERT OR IGNORE INTO samples (sample_id, created_at, priority, audit, size,"
-                    " payload) VALUES (?, ?, ?, ?, ?, ?)",
-                    (sample_id, now, priority, int(audit), size, payload),
-                )
-                inserted = cursor.rowcount == 1  # 0: the id is already spooled
-                if inserted:
-                    self._bump("stored")
+                for sample in samples:
+                    size = len(sample.payload)
+                    if size > self.max_bytes:
+                        counts["refused"] += 1
+                        stored.append(False)
+                        continue
+                    depth, total = self._make_room(size, depth, total, counts)
+                    cursor = self._db.execute(
+                        "INSERT OR IGNORE INTO samples (sample_id, created_at, priority, audit,"
+                        " size, sent_at, attempts, payload) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        (
+                            sample.sample_id,
+                            now,
+                            sample.priority,
+                            int(sample.audit),
+                            size,
+                            sent_at,
+                            attempts,
+                            sample.payload,
+                        ),
+                    )
+                    if cursor.rowcount == 1:  # 0: the id is already spooled
+                        counts["stored"] += 1
+                        depth += 1
+                        total += size
+                    stored.append(True)
+                for chunk in _chunks(sent_ids):
+                    marks = ",".join("?" * len(chunk))
+                    self._db.execute(
+                        "UPDATE samples SET sent_at = ?, attempts = attempts + 1"
+                        f" WHERE sample_id IN ({marks})",
+                        [now, *chunk],
+                    )
+                for chunk in _chunks(acked_ids):
+                    marks = ",".join("?" * len(chunk))
+                    row = self._db.execute(
+                        "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM samples"
+                        f" WHERE sample_id IN ({marks})",
+                        chunk,
+                    ).fetchone()
+                    if row[0]:
+                        self._db.execute(f"DELETE FROM samples WHERE sample_id IN ({marks})", chunk)
+                    removed += int(row[0])
+                    freed += int(row[1])
+                if acked_ids:
+                    counts["acked"] = removed
+                for name, by in counts.items():
+                    if by or name == "acked":
+                        self._bump(name, by)
                 self._db.execute("COMMIT")
             except sqlite3.Error as exc:
                 self._rollback()
                 raise StoreError(f"spool write failed: {exc}") from exc
-            if inserted:
-                self._bytes += size
-                self._depth += 1
-            return True
+            self._depth, self._bytes = depth - removed, total - freed
+        return WriteResult(stored, removed)
 
-    def _make_room(self, size: int) -> None:
-        while self._depth and (
-            self._bytes + size > self.max_bytes or self._depth + 1 > self.max_samples
-        ):
+    def _make_room(
+        self, size: int, depth: int, total: int, counts: dict[str, int]
+    ) -> tuple[int, int]:
+        while depth and (total + size > self.max_bytes or depth + 1 > self.max_samples):
             row = self._db.execute(
                 "SELECT seq, size, audit FROM samples ORDER BY audit DESC, seq ASC LIMIT 1"
             ).fetchone()
             if row is None:
                 break
             self._db.execute("DELETE FROM samples WHERE seq = ?", (row[0],))
-            self._bump("evicted_audit" if row[2] else "evicted_oldest")
-            self._bytes -= row[1]
-            self._depth -= 1
+            counts["evicted_audit" if row[2] else "evicted_oldest"] += 1
+            total -= row[1]
+            depth -= 1
+        return depth, total
 
     def _rollback(self) -> None:
         with contextlib.suppress(sqlite3.Error):
@@ -156,27 +267,14 @@ class Spool:
 
     def ack(self, sample_ids: Iterable[str]) -> int:
         """Delete receipted samples; returns how many were still here."""
-        ids = list(sample_ids)
-        if not ids:
-            return 0
-        with self._lock:
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
-                marks = ",".join("?" * len(ids))
-                row = self._db.execute(
-                    "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM samples"
-                    f" WHERE sample_id IN ({marks})",
-                    ids,
-                ).fetchone()
-                self._db.execute(f"DELETE FROM samples WHERE sample_id IN ({marks})", ids)
-                self._bump("acked", row[0])
-                self._db.execute("COMMIT")
-            except sqlite3.Error as exc:
-                self._rollback()
-                raise StoreError(f"spool delete failed: {exc}") from exc
-            self._depth -= row[0]
-            self._bytes -= row[1]
-            return int(row[0])
+        return self.settle(acked=sample_ids)
+
+    def settle(
+        self, *, sent: Iterable[str] = (), acked: Iterable[str] = (), now: float = 0.0
+    ) -> int:
+        """Mark ``sent`` as sent at ``now`` and delete ``acked`` in one transaction; how
+        many of ``acked`` were still here."""
+        return self.write(now=now, sent=sent, acked=acked).removed
 
     # --- sending -------------------------------------------------------------------
 
@@ -191,14 +289,8 @@ class Spool:
         return [SpooledSample(r[0], bytes(r[1]), r[2], r[3]) for r in rows]
 
     def mark_sent(self, sample_ids: Iterable[str], *, now: float) -> None:
-        ids = list(sample_ids)
-        if not ids:
-            return
-        with self._lock:
-            self._db.executemany(
-                "UPDATE samples SET sent_at = ?, attempts = attempts + 1 WHERE sample_id = ?",
-                [(now, sid) for sid in ids],
-            )
+        """Mark samples as published at ``now`` (one transaction for the lot)."""
+        self.settle(sent=sample_ids, now=now)
 
     def reset_sent(self) -> None:
         """Make every sample due now (after a reconnect: what was in flight may be lost)."""
@@ -230,3 +322,150 @@ class Spool:
                 stored=self._counter("stored"),
                 refused=self._counter("refused"),
             )
+
+
+StoredCallback = Callable[[bool, BaseException | None], None]
+
+
+class WriterUplink(Protocol):
+    """How a ``SpoolWriter`` hands fresh samples straight to the link."""
+
+    def begin(self) -> tuple[bool, list[str]]:
+        """Before a batch's transaction: (publish it right after the commit?, receipts to
+        apply in the same transaction)."""
+        ...
+
+    def end(
+        self, published: bool, samples: list[NewSample], acked: list[str], removed: int | None
+    ) -> None:
+        """After the batch is answered: publish ``samples`` when ``published``; ``removed``
+        is how many of ``acked`` were deleted, None when the transaction failed."""
+        ...
+
+
+class SpoolWriter:
+    """Group commit for the forward path: samples from any thread, one transaction a batch.
+
+    ``writer.submit(sample, done)`` queues a sample; the ``spool-writer`` thread stores
+    what has gathered (waiting up to ``window_s`` after the first, or until
+    ``max_batch`` are queued, or until ``expecting()`` says no more are on their way
+    and ``nudge`` is called) in one transaction and then calls ``done(stored, error)``
+    for each, in order: so whatever ``done`` tells a caller happens only once the
+    sample is committed. With an ``uplink``, a batch is published right after its
+    commit (stored as sent, so the pump does not read it back) and receipts held
+    meanwhile are applied in the same transaction. After ``stop`` (which stores what is
+    still queued first), ``submit`` stores on the caller's thread.
+    """
+
+    def __init__(
+        self,
+        spool: Spool,
+        *,
+        clock: Callable[[], float],
+        window_s: float,
+        max_batch: int = 64,
+        uplink: WriterUplink | None = None,
+        expecting: Callable[[], bool] | None = None,
+    ) -> None:
+        self.spool = spool
+        self.uplink = uplink
+        # Whether more samples may come for this batch (frames still being routed);
+        # None: always gather for the whole window.
+        self._expecting = expecting
+        self.clock = clock
+        self.window_s = window_s
+        self.max_batch = max(1, max_batch)
+        self._cond = threading.Condition()
+        self._queue: list[tuple[NewSample, StoredCallback]] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="spool-writer", daemon=True)
+        self.commits = 0
+        self.samples = 0
+
+    def start(self) -> SpoolWriter:
+        self._thread.start()
+        return self
+
+    def submit(self, sample: NewSample, done: StoredCallback) -> None:
+        with self._cond:
+            if not self._stopping:
+                self._queue.append((sample, done))
+                if len(self._queue) == 1 or len(self._queue) >= self.max_batch:
+                    self._cond.notify()
+                return
+        self._store([(sample, done)])
+
+    def nudge(self) -> None:
+        """Wake the writer to look again at ``expecting`` (nothing more is on its way)."""
+        if not self._queue:  # nothing gathering (a stale read only delays to the window)
+            return
+        with self._cond:
+            self._cond.notify()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        with self._cond:
+            left, self._queue = self._queue, []
+        self._store(left)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                # Gather the rest of the micro-batch (its other forwarded frames are
+                # being routed right now) before paying for a transaction; commit at
+                # once when nothing else is on its way.
+                deadline = time.monotonic() + self.window_s
+                expecting = self._expecting
+                while len(self._queue) < self.max_batch and not self._stopping:
+                    if expecting is not None and not expecting():
+                        break
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+                batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
+            self._store(batch)
+
+    def _store(self, batch: list[tuple[NewSample, StoredCallback]]) -> None:
+        if not batch:
+            return
+        samples = [sample for sample, _ in batch]
+        publish, acked = self.uplink.begin() if self.uplink is not None else (False, [])
+        removed: int | None = None
+        fresh: list[NewSample] = []
+        try:
+            result = self.spool.write(samples, now=self.clock(), published=publish, acked=acked)
+        except StoreError as exc:
+            outcomes: list[tuple[bool, BaseException | None]] = [(False, exc)] * len(batch)
+        else:
+            self.commits += 1
+            self.samples += len(batch)
+            removed = result.removed
+            outcomes = [(stored, None) for stored in result.stored]
+            fresh = [
+                sample for sample, stored in zip(samples, result.stored, strict=True) if stored
+            ]
+        for (_, done), (stored, error) in zip(batch, outcomes, strict=True):
+            try:
+                done(stored, error)
+            except Exception:  # one caller's bug must not stop the writer
+                log.exception("a spool-writer callback failed")
+        if self.uplink is not None:
+            try:
+                self.uplink.end(publish, fresh, acked, removed)
+            except Exception:
+                log.exception("publishing freshly spooled samples failed")
+
+
+def _chunks(ids: list[str], size: int = 500) -> Iterable[list[str]]:
+    """Slices of ``ids`` small enough for SQLite's limit on bound parameters."""
+    for start in range(0, len(ids), size):
+        yield ids[start : start + size]

@@ -8,6 +8,10 @@ reader waits for room instead of dropping (reading ahead would only waste decodi
 
 A source that fails to open or stops delivering is reopened with jittered
 exponential backoff; its state (running, reconnecting) shows in status.
+
+Frames go to the agent in BGR, as OpenCV reads them: the agent shrinks a frame to
+the model's size before converting it to RGB (the same pixels as converting first,
+for less work), and converts the full frame only when it forwards it.
 """
 
 from __future__ import annotations
@@ -128,7 +132,7 @@ class CameraReader:
                         self._stopping.wait(next_at - now)
                     next_at = max(next_at + period, time.monotonic() - period)
                     self.frames += 1
-                    self._offer(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+                    self._offer(frame)
             finally:
                 capture.release()
             if not self._stopping.is_set():
@@ -143,7 +147,7 @@ class CameraReader:
         log.warning("camera %s: %s; retrying in %.1fs", self.name, why, delay)
         self._stopping.wait(delay)
 
-    def _offer(self, rgb: np.ndarray) -> None:
+    def _offer(self, bgr: np.ndarray) -> None:
         with self._room:
             if self.is_file:
                 while self._inflight >= self.max_inflight and not self._stopping.is_set():
@@ -152,14 +156,14 @@ class CameraReader:
                 if self._waiting is not None:
                     self.dropped += 1
                     self.agent.telemetry.record_dropped(self.name)
-                self._waiting = rgb
+                self._waiting = bgr
                 return
             self._inflight += 1
-        self._submit(rgb)
+        self._submit(bgr)
 
-    def _submit(self, rgb: np.ndarray) -> None:
+    def _submit(self, bgr: np.ndarray) -> None:
         try:
-            future = self.agent.submit(rgb, source=self.name)
+            future = self.agent.submit_bgr(bgr, source=self.name)
         except (EdgeLoopError, RuntimeError) as exc:  # stopping, or the queue is full
             self._done_one(None, exc)
             return

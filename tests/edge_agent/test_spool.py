@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from edge_agent.spool import Spool
@@ -89,3 +90,115 @@ def test_bounded_by_bytes(tmp_path: Path) -> None:
     # A sample bigger than the whole spool is refused and counted, not stored.
     assert not spool.put("huge", b"x" * (1 << 17), priority=5, audit=False, now=0)
     assert spool.stats().refused == 1
+
+
+def test_put_many_is_the_same_as_single_puts(tmp_path: Path) -> None:
+    from edge_agent.spool import NewSample
+
+    def batch() -> list[NewSample]:
+        return [
+            NewSample("a", b"x" * 100, 5, False),
+            NewSample("b", b"x" * 100, 5, True),
+            NewSample("a", b"x" * 100, 5, False),  # a repeated id is stored once
+            NewSample("huge", b"x" * (1 << 17), 5, False),  # refused, counted
+            NewSample("c", b"x" * 100, 1, False),
+            NewSample("d", b"x" * 100, 5, False),  # evicts the audit sample, then "a"
+            NewSample("e", b"x" * 100, 5, True),
+        ]
+
+    single = Spool(tmp_path / "single.db", max_bytes=1 << 16, max_samples=3)
+    one_by_one = [
+        single.put(s.sample_id, s.payload, priority=s.priority, audit=s.audit, now=1.0)
+        for s in batch()
+    ]
+    many = Spool(tmp_path / "many.db", max_bytes=1 << 16, max_samples=3)
+    assert many.put_many(batch(), now=1.0) == one_by_one == [True] * 3 + [False] + [True] * 3
+    assert many.ids() == single.ids() == ["c", "d", "e"]
+    assert many.stats() == single.stats()
+    stats = many.stats()
+    assert (stats.stored, stats.refused, stats.evicted_audit, stats.evicted_oldest) == (5, 1, 1, 1)
+    many.close()
+    assert Spool(tmp_path / "many.db").stats() == stats  # counters persisted
+
+
+def test_a_failed_batch_stores_nothing(tmp_path: Path) -> None:
+    import pytest
+
+    from edge_agent.spool import NewSample
+    from shared.errors import StoreError
+
+    spool = Spool(tmp_path / "spool.db")
+    fill(spool, 2)
+    spool._db.execute(
+        "CREATE TRIGGER boom BEFORE INSERT ON samples WHEN NEW.sample_id = 'boom'"
+        " BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"
+    )
+    before = spool.stats()
+    with pytest.raises(StoreError):
+        spool.put_many(
+            [NewSample("fine", b"y" * 10, 5, False), NewSample("boom", b"y", 5, False)], now=1.0
+        )
+    assert spool.stats() == before
+    assert "fine" not in spool.ids()
+
+
+def test_settle_marks_sent_and_applies_receipts_in_one_call(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool.db")
+    ids = fill(spool, 4)
+    assert spool.settle(sent=ids[:3], acked=[ids[0], ids[3], "unknown"], now=10.0) == 2
+    assert spool.ids() == ids[1:3]
+    assert spool.due(now=20.0, resend_after_s=30.0) == []
+    assert [d.attempts for d in spool.due(now=40.0, resend_after_s=30.0)] == [1, 1]
+    stats = spool.stats()
+    assert (stats.depth, stats.bytes, stats.acked) == (2, 200, 2)
+
+
+def test_samples_stored_as_published_wait_for_the_resend_timeout(tmp_path: Path) -> None:
+    from edge_agent.spool import NewSample
+
+    spool = Spool(tmp_path / "spool.db")
+    fill(spool, 1)  # never sent: due at once
+    result = spool.write(
+        [NewSample("p1", b"z" * 10, 5, False), NewSample("p2", b"z" * 10, 5, False)],
+        now=5.0,
+        published=True,
+        acked=["s0000"],
+    )
+    assert (result.stored, result.removed) == ([True, True], 1)
+    assert spool.due(now=6.0, resend_after_s=30.0) == []
+    assert [d.sample_id for d in spool.due(now=35.0, resend_after_s=30.0)] == ["p1", "p2"]
+    spool.reset_sent()  # a reconnect: whatever was in flight is due again
+    assert [d.attempts for d in spool.due(now=6.0, resend_after_s=30.0)] == [1, 1]
+
+
+def test_spool_writer_answers_after_the_commit_and_batches(tmp_path: Path) -> None:
+    import threading
+
+    from edge_agent.spool import NewSample, SpoolWriter
+
+    spool = Spool(tmp_path / "spool.db")
+    writer = SpoolWriter(spool, clock=lambda: 1.0, window_s=0.05, max_batch=8).start()
+    seen: list[tuple[str, bool, bool]] = []
+    done = threading.Event()
+
+    def callback(sample_id: str) -> Callable[[bool, BaseException | None], None]:
+        def stored(ok: bool, error: BaseException | None) -> None:
+            assert error is None
+            seen.append((sample_id, ok, sample_id in spool.ids()))  # committed already
+            if len(seen) == 20:
+                done.set()
+
+        return stored
+
+    for i in range(20):
+        sid = f"w{i:02d}"
+        writer.submit(NewSample(sid, b"p" * 50, 5, False), callback(sid))
+    assert done.wait(5.0)
+    assert seen == [(f"w{i:02d}", True, True) for i in range(20)]
+    assert writer.samples == 20
+    assert writer.commits <= 4  # a batch of up to 8 per transaction
+    writer.submit(NewSample("late", b"p", 5, False), callback("late"))
+    writer.stop()  # stores what is still queued
+    assert "late" in spool.ids()
+    writer.submit(NewSample("after", b"p", 5, False), lambda ok, err: None)
+    assert "after" in spool.ids()  # after stop: stored on the caller's thread

@@ -56,7 +56,7 @@ def frames_client(tmp_path: Any, student_path: Any) -> Iterator[Any]:
     engine = OrtEngine(student_path, EngineOptions(intra_op_threads=1, warmup_runs=1))
     publisher = MemoryPublisher()
     with (
-        Agent(settings_, engine=engine, publisher=publisher) as agent,  # type: ignore[arg-type]
+        Agent(settings_, engine=engine, publisher=publisher) as agent,
         frame_client(agent) as client,
     ):
         yield client

@@ -1,0 +1,107 @@
+"""The forward path: a forwarded answer means a spooled sample; batches; direct publish."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import cv2
+import numpy as np
+import pytest
+
+from edge_agent.agent import Agent, FrameResult
+from edge_agent.imaging import resize_for_model
+from edge_agent.settings import AgentSettings
+from edge_agent.testing import MemoryPublisher
+from shared.envelope import decode_envelope
+
+
+def frames(n: int, size: tuple[int, int] = (40, 40)) -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(0, 255, (*size, 3), dtype=np.uint8) for _ in range(n)]
+
+
+def test_a_forwarded_answer_means_the_sample_is_spooled(
+    make_settings: Callable[..., AgentSettings], engine: object, until: Callable[..., bool]
+) -> None:
+    publisher = MemoryPublisher(connected=False)
+    settings = make_settings(route_max_prob_below=1.01, max_batch=8, max_wait_ms=5.0)
+    with Agent(settings, engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
+        spooled_at_answer: dict[str, bool] = {}
+
+        def check(future: Future[FrameResult]) -> None:
+            result = future.result()
+            spooled_at_answer[result.sample_id] = result.sample_id in agent.spool.ids()
+
+        futures = [agent.submit(frame, source="test") for frame in frames(32)]
+        for future in futures:
+            future.add_done_callback(check)
+        results = [f.result(10) for f in futures]
+        assert all(r.forwarded for r in results)
+        assert until(lambda: len(spooled_at_answer) == 32)  # callbacks run after result()
+        assert all(spooled_at_answer[r.sample_id] for r in results)
+        assert agent.spool.depth == 32
+        writer = agent.spool_writer
+        assert writer.samples == 32
+        assert writer.commits < 32  # gathered into micro-batches, one transaction each
+
+
+def test_fresh_samples_are_published_once_and_receipted(
+    make_settings: Callable[..., AgentSettings], engine: object, until: Callable[..., bool]
+) -> None:
+    publisher = MemoryPublisher(auto_receipt=True)
+    settings = make_settings(route_max_prob_below=1.01)
+    with Agent(settings, engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
+        assert until(lambda: not agent._uplink_backlogged)  # the pump found the spool empty
+        futures = [agent.submit(frame, source="test") for frame in frames(24)]
+        ids = [f.result(10).sample_id for f in futures]
+        assert until(lambda: agent.spool.depth == 0)
+        sent = [decode_envelope(p).header.sample_id for p in publisher.sent()]
+        assert sorted(sent) == sorted(ids)  # each once: not read back and sent again
+        assert agent.spool.stats().acked == 24
+        registry = agent.telemetry.registry
+        assert until(lambda: registry.get_sample_value("edgeloop_agent_receipted_total") == 24)
+
+
+def test_samples_stored_while_the_link_is_down_go_out_on_reconnect(
+    make_settings: Callable[..., AgentSettings], engine: object, until: Callable[..., bool]
+) -> None:
+    publisher = MemoryPublisher(connected=False)
+    settings = make_settings(route_max_prob_below=1.01)
+    with Agent(settings, engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
+        ids = [agent.process(frame, source="test").sample_id for frame in frames(6)]
+        assert publisher.sent() == []
+        publisher.auto_receipt = True
+        publisher.connect()
+        assert until(lambda: agent.spool.depth == 0)
+        more = [agent.process(frame, source="test").sample_id for frame in frames(3)]
+        assert until(lambda: agent.spool.depth == 0)
+        sent = [decode_envelope(p).header.sample_id for p in publisher.sent()]
+        assert sorted(sent) == sorted(ids + more)
+
+
+@pytest.mark.parametrize("size", [(48, 64), (20, 30), (32, 32), (240, 320)])
+def test_resizing_before_the_colour_conversion_gives_the_same_pixels(
+    size: tuple[int, int],
+) -> None:
+    bgr = np.random.default_rng(3).integers(0, 255, (*size, 3), dtype=np.uint8)
+    for hw in ((32, 32), (160, 160)):
+        converted_first = resize_for_model(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), hw)
+        resized_first = cv2.cvtColor(resize_for_model(bgr, hw), cv2.COLOR_BGR2RGB)
+        assert np.array_equal(converted_first, resized_first)
+
+
+def test_a_bgr_frame_gets_the_same_answer_and_upload_as_its_rgb(
+    make_settings: Callable[..., AgentSettings], engine: object
+) -> None:
+    publisher = MemoryPublisher(connected=False)
+    settings = make_settings(route_max_prob_below=1.01, upload_recompress=True)
+    with Agent(settings, engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
+        bgr = frames(1, (48, 64))[0]
+        by_rgb = agent.process(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), source="test")
+        by_bgr = agent.submit_bgr(bgr, source="test").result(10)
+        assert by_bgr.scores == by_rgb.scores
+        assert by_bgr.forwarded and by_rgb.forwarded
+        payloads = {s.sample_id: s.payload for s in agent.spool.due(now=1e12, resend_after_s=1)}
+        images = [decode_envelope(payloads[r.sample_id]).image for r in (by_rgb, by_bgr)]
+        assert images[0] == images[1]
