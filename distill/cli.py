@@ -46,10 +46,13 @@ def demo(
     out: Path | None = typer.Option(
         None, help="Folder for the plot and the HTML report (default: DATA_DIR/demo)."
     ),
+    rounds: int = typer.Option(
+        2, min=1, max=10, help="Distillation rounds (the last one is the steady state)."
+    ),
     quick: bool = typer.Option(False, "--quick", help="Small, fast-trained reference models."),
     as_json: bool = JsonOption,
 ) -> None:
-    """The closed loop on embedded defaults: drift, trigger, a job, delivery, recovery."""
+    """The closed loop on embedded defaults: drift, trigger, jobs, delivery, recovery."""
     from simulations.demo import run_demo
 
     settings = load_settings(EdgeLoopSettings, config)
@@ -62,6 +65,7 @@ def demo(
         threshold=threshold,
         out_dir=out,
         as_json=as_json,
+        rounds=rounds,
     )
 
 
@@ -76,10 +80,13 @@ def closed_loop(
     threads: int = typer.Option(2, min=1, max=64, help="Thread limit of the distill job."),
     plot: Path | None = typer.Option(None, help="Where to save the SVG plot."),
     report: Path | None = typer.Option(None, help="Where to write the HTML report."),
+    rounds: int = typer.Option(
+        2, min=1, max=10, help="Distillation rounds (the last one is the steady state)."
+    ),
     quick: bool = typer.Option(False, "--quick", help="Small, fast-trained reference models."),
     as_json: bool = JsonOption,
 ) -> None:
-    """The closed loop: drift, trigger, a distillation round, delivery, recovery; a table."""
+    """The closed loop: drift, trigger, distillation rounds, delivery, recovery; a table."""
     from simulations.closed_loop import run_closed_loop
 
     settings = load_settings(EdgeLoopSettings, config)
@@ -94,6 +101,7 @@ def closed_loop(
         threads=threads,
         plot=plot,
         report_html=report,
+        rounds=rounds,
     )
     if as_json:
         print_json({k: v for k, v in result.items() if k != "timeline"})

@@ -1,7 +1,9 @@
-"""The closed loop, measured: drift hits the fleet, a trigger fires, one distillation round
-runs, the new student reaches the agents, and accuracy recovers.
+"""The closed loop, measured: drift hits the fleet, a trigger fires, a distillation round
+runs, the new student reaches the agents, and accuracy recovers; then the drifted stream
+goes on, the trigger fires again, and further rounds run until the loop settles.
 
-    edgeloop loop [--quick] [--json] [--drift blur:0.8] [--agents 3] [--report loop.html]
+    edgeloop loop [--quick] [--json] [--drift blur:0.8] [--agents 3] [--rounds 2]
+                  [--report loop.html]
 
 On embedded defaults, in one process tree: an embedded MQTT broker; SQLite and a
 local blob folder in a temporary data dir; the cloud verifier
@@ -22,9 +24,21 @@ two pools that share no scan: the *live* pool feeds the clean and drifted phases
 is used for every figure in the table, so "after" is measured on frames the new
 student never trained on. The table's columns use the same evaluation frames (same
 seeds): ``before drift`` (serving student, clean), ``drifted`` (serving student,
-drifted) and ``after one round`` (new student, drifted, live through the fleet; the
-clean frames again for forgetting). The serving-student columns apply each agent's
-routing rule without sending, so no evaluation frame reaches the training data.
+drifted) and ``after round k`` for each round (that round's student, drifted; the clean
+frames again for forgetting). The serving-student columns, and every round's column but
+the last, apply each agent's routing rule without sending (the verdict would be the
+teacher's answer on the same bytes); the last round's column is live through the fleet.
+So no evaluation frame is ever verified, and none can reach a round's training data.
+
+Rounds: round 1 trains on what the trigger's first firing found (the newest verified
+samples, up to ``max_samples``). From round 2 on, the drifted stream continues on the
+live pool with the previous round's student serving; the same drift trigger, with the
+same conditions, is ticked on what the agents have forwarded, and round k's job takes
+the newest verified samples (the resumed stream's first, then earlier ones, up to
+``max_samples``) plus its replay of the reference training set, warm-started from the
+serving student. The goals read two columns: the first-round goals (recovery, gap
+closed, forgetting, forward-rate drop) read ``after round 1``; the steady-state goals
+(hybrid accuracy, forward rate, uplink) read the last round.
 
 Agents run with their own defaults except the forwarding threshold (``threshold``)
 and the connection details; in particular they keep the agent's default audit share.
@@ -37,6 +51,7 @@ per device), and the camera streams run as fast as the agents answer.
 
 from __future__ import annotations
 
+import html
 import io
 import json
 import random
@@ -76,7 +91,15 @@ from shared.ids import new_sample_id
 from shared.messages import Verdict, decode_message
 from shared.settings import EdgeLoopSettings
 
-__all__ = ["LoopProgress", "PhaseStats", "run_closed_loop", "split_pool"]
+__all__ = [
+    "LoopProgress",
+    "PhaseStats",
+    "goal_columns",
+    "run_closed_loop",
+    "split_pool",
+    "table_header",
+    "table_rows",
+]
 
 FLEET = "demo"
 MODEL = "edgeloop-student"
@@ -527,12 +550,17 @@ def run_closed_loop(
     live: bool = True,
     models: Any = None,
     job_params: dict[str, Any] | None = None,
+    rounds: int = 1,
 ) -> dict[str, Any]:
     """Run the loop once and return its figures (also printed; a plot and a report saved).
 
     ``models`` overrides the reference models (``distill.cache.ReferenceModels``);
-    ``job_params`` adds parameters to the job the drift trigger queues.
+    ``job_params`` adds parameters to the job the drift trigger queues; ``rounds``
+    distillation rounds run (from the second on, the drifted stream continues first and
+    the trigger must fire again).
     """
+    if rounds < 1:
+        raise ValueError("rounds must be at least 1")
     console = console or Console(stderr=True)
     started = time.perf_counter()
     with _quiet_logs(), LoopProgress(console, live=live) as progress:
@@ -550,8 +578,10 @@ def run_closed_loop(
             progress=progress,
             started=started,
             job_params=job_params or {},
+            rounds=rounds,
         )
     report["goals"] = _goals(report)
+    report["goal_columns"] = goal_columns(report)
     report["wall_s"] = round(time.perf_counter() - started, 1)
     _print_table(console, report)
     plot = plot or Path("closed_loop.svg")
@@ -580,20 +610,21 @@ def _run(
     progress: LoopProgress,
     started: float,
     job_params: dict[str, Any],
+    rounds: int,
 ) -> dict[str, Any]:
-    from sqlalchemy import func, select
+    from sqlalchemy import case, func, select
 
     from cloud_service import registry
     from cloud_service.announce import MqttAnnouncer
     from cloud_service.api import create_app
     from cloud_service.db import crud
-    from cloud_service.db.models import Sample
+    from cloud_service.db.models import Sample, Verdict
     from cloud_service.settings import CloudSettings
     from cloud_service.worker import VerifierWorker
     from distill import jobs, schedules
     from distill.cache import ReferenceConfig
     from distill.drift import parse_drift_spec
-    from distill.pipeline import PipelineServices, make_runner
+    from distill.pipeline import TRAINABLE_STATUSES, PipelineServices, make_runner
     from distill.scenario import render_split
     from distill.worker import DistillWorker
     from edge_agent.sources.http import ApiServer
@@ -610,6 +641,7 @@ def _run(
         "frames_per_phase": frames,
         "threshold": threshold,
         "quick": quick,
+        "rounds_requested": rounds,
         "pools": {"live_frames": len(live_pool), "evaluation_frames": len(eval_pool)},
     }
     prefix = settings.topic_prefix if settings else "edgeloop/v1"
@@ -783,20 +815,14 @@ def _run(
 
         # -- the trigger ---------------------------------------------------------------
         with sessions.begin() as s:
+            schedule = schedules.list_schedules(session=s)[0]
+            check = schedules.evaluate_trigger(session=s, schedule=schedule, now=datetime.now(UTC))
             fired = fired_early if fired_early else schedules.tick(session=s)
-            check = schedules.evaluate_trigger(
-                session=s,
-                schedule=schedules.list_schedules(session=s)[0],
-                now=datetime.now(UTC),
-            )
         report["samples_stored"] = stored
         report["trigger_fired"] = bool(fired)
         report["trigger_stats"] = check.stats
         progress.note(f"trigger fired: {bool(fired)} (jobs {fired}); {stored} samples stored")
 
-        # -- one round -----------------------------------------------------------------
-        round_started = time.perf_counter()
-        t_round = timeline.now()
         services = PipelineServices(
             sessions=sessions,
             blobs=state.blobs,
@@ -810,98 +836,237 @@ def _run(
             console_progress=progress.job,
         )
         worker = DistillWorker(sessions, runner=make_runner(services), lease_s=30)
-        job_id = worker.run_once()
-        job_wall = time.perf_counter() - round_started
-        with sessions() as s:
-            job = jobs.get_job(session=s, job_id=job_id) if job_id else None
-            report["job"] = (
-                None
-                if job is None
-                else {
-                    "id": job.id,
-                    "state": job.state,
-                    "error": job.error,
-                    "version": job.result_version,
-                    "gate": job.metrics.get("gate"),
-                    "evaluation": job.metrics.get("evaluation"),
-                    "dataset": job.metrics.get("dataset"),
-                    "train": job.metrics.get("train"),
-                    "calibration": job.metrics.get("calibration"),
-                    "timings": job.metrics.get("timings"),
-                }
-            )
-        want = report["job"]["version"] if report["job"] else None
-        delivered = on_version(want, timeout=60.0) if want else False
-        report["agents_on"] = {a.settings.agent_id: a.engine.version for a in fleet_agents}
-        report["delivered"] = delivered
-        report["round_s"] = round(time.perf_counter() - round_started, 1)
-        report["job_wall_s"] = round(job_wall, 1)
-        with timeline.lock:
-            n = len(timeline.frames)
-            timeline.spans.append(("distillation round", n, n, t_round, timeline.now()))
-        progress.note(
-            f"round took {report['round_s']} s (job {report['job_wall_s']} s);"
-            f" agents now on {report['agents_on']}"
-        )
-        if report["job"] and report["job"]["gate"] and not report["job"]["gate"]["passed"]:
-            progress.note(f"[yellow]gate refused: {report['job']['gate']['reasons']}[/]")
 
-        # -- after: new frames (evaluation pool), live through the fleet -----------------
-        report["after"] = fleet.run_phase(
-            "after one round", eval_pool, spec, EVAL_DRIFT_SEED, live=True
-        )
-        show("after one round, evaluation frames, drifted (live)", report["after"])
-        report["after_clean"] = fleet.run_phase(
-            "measure: clean after", eval_pool, (), EVAL_CLEAN_SEED, live=False
-        )
-        show("after one round, evaluation frames, clean", report["after_clean"])
-        report["versions"] = {"before": ref_version, "after": report["agents_on"]}
+        def new_verified(since: datetime) -> tuple[int, int]:
+            """(trainable samples verified since, of which the teacher disagreed with the edge)."""
+            with sessions() as s:
+                total, disagree = s.execute(
+                    select(
+                        func.count(),
+                        func.sum(case((Verdict.agrees_with_edge.is_(False), 1), else_=0)),
+                    )
+                    .select_from(Verdict)
+                    .join(Sample, Sample.sample_id == Verdict.sample_id)
+                    .where(
+                        Sample.fleet == FLEET,
+                        Sample.status.in_(TRAINABLE_STATUSES),
+                        Verdict.verified_at > since,
+                    )
+                ).one()
+            return int(total or 0), int(disagree or 0)
+
+        rounds_out: list[dict[str, Any]] = []
+        report["rounds"] = rounds_out
+        for k in range(1, rounds + 1):
+            round_wall0 = time.perf_counter()
+            entry: dict[str, Any] = {"round": k}
+            if k == 1:
+                entry.update(trigger_fired=bool(fired), trigger_stats=check.stats)
+                entry["samples_new"] = stored
+            else:
+                # -- the drifted stream continues on the serving (round k-1) student -------
+                cutoff = datetime.now(UTC)
+                timeline.mark(f"round {k}: the drifted stream continues")
+                entry["live_drifted"] = fleet.run_phase(
+                    f"drifted, round {k}", live_pool, spec, 10 + k, live=True
+                )
+                show(f"drifted (live), round {k}", entry["live_drifted"])
+                wait_verified()
+                new, new_disagree = new_verified(cutoff)
+                entry["samples_new"] = new
+                entry["new_samples_disagreement"] = new_disagree / new if new else None
+                with sessions.begin() as s:
+                    schedule = schedules.list_schedules(session=s)[0]
+                    check_k = schedules.evaluate_trigger(
+                        session=s, schedule=schedule, now=datetime.now(UTC)
+                    )
+                    fired_k = schedules.tick(session=s)
+                entry.update(trigger_fired=bool(fired_k), trigger_stats=check_k.stats)
+                progress.note(
+                    f"round {k}: trigger fired: {bool(fired_k)} ({check_k.reason});"
+                    f" {new} newly verified samples"
+                    + (
+                        ""
+                        if not new
+                        else f", teacher disagreed with the edge on {new_disagree / new:.1%}"
+                    )
+                )
+                if not fired_k:
+                    entry.update(job=None, skipped="the trigger did not fire")
+                    rounds_out.append(entry)
+                    break
+
+            # -- the round: job, delivery --------------------------------------------------
+            round_started = time.perf_counter()
+            t_round = timeline.now()
+            job_id = worker.run_once()
+            job_wall = time.perf_counter() - round_started
+            with sessions() as s:
+                job = jobs.get_job(session=s, job_id=job_id) if job_id else None
+                entry["job"] = (
+                    None
+                    if job is None
+                    else {
+                        "id": job.id,
+                        "state": job.state,
+                        "error": job.error,
+                        "version": job.result_version,
+                        "gate": job.metrics.get("gate"),
+                        "evaluation": job.metrics.get("evaluation"),
+                        "dataset": job.metrics.get("dataset"),
+                        "train": job.metrics.get("train"),
+                        "calibration": job.metrics.get("calibration"),
+                        "warm_start": job.metrics.get("warm_start"),
+                        "parent_version": job.metrics.get("parent_version"),
+                        "timings": job.metrics.get("timings"),
+                    }
+                )
+            want = entry["job"]["version"] if entry["job"] else None
+            delivered = on_version(want, timeout=60.0) if want else False
+            entry["agents_on"] = {a.settings.agent_id: a.engine.version for a in fleet_agents}
+            entry["delivered"] = delivered
+            entry["round_s"] = round(time.perf_counter() - round_started, 1)
+            entry["job_wall_s"] = round(job_wall, 1)
+            with timeline.lock:
+                n = len(timeline.frames)
+                timeline.spans.append((f"distillation round {k}", n, n, t_round, timeline.now()))
+            progress.note(
+                f"round {k} took {entry['round_s']} s (job {entry['job_wall_s']} s);"
+                f" agents now on {entry['agents_on']}"
+            )
+            gate = entry["job"]["gate"] if entry["job"] else None
+            if gate and not gate["passed"]:
+                progress.note(f"[yellow]round {k}: gate refused: {gate['reasons']}[/]")
+
+            # -- after: new frames (evaluation pool) -------------------------------------
+            # Only the last round's column is live: a later round trains on the newest
+            # verified samples, and no evaluation frame may be among them.
+            last_round = k == rounds
+            entry["after"] = fleet.run_phase(
+                f"after round {k}", eval_pool, spec, EVAL_DRIFT_SEED, live=last_round
+            )
+            show(
+                f"after round {k}, evaluation frames, drifted" + (" (live)" if last_round else ""),
+                entry["after"],
+            )
+            entry["after_clean"] = fleet.run_phase(
+                f"measure: clean after round {k}", eval_pool, (), EVAL_CLEAN_SEED, live=False
+            )
+            show(f"after round {k}, evaluation frames, clean", entry["after_clean"])
+            entry["round_wall_s"] = round(time.perf_counter() - round_wall0, 1)
+            rounds_out.append(entry)
+
+        # The top-level figures are the last completed round's (the fleet's final state).
+        done = [e for e in rounds_out if "after" in e]
+        if done:
+            last = done[-1]
+            for name in (
+                "job",
+                "agents_on",
+                "delivered",
+                "round_s",
+                "job_wall_s",
+                "after",
+                "after_clean",
+            ):
+                report[name] = last[name]
+        report["versions"] = {"before": ref_version, "after": report.get("agents_on")}
 
     report["timeline"] = timeline.as_dict()
     return report
 
 
+def _rounds(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rounds that were measured (each with ``after`` and ``after_clean``)."""
+    done = [e for e in r.get("rounds") or [] if "after" in e]
+    if done:
+        return done
+    return [{"round": 1, "after": r["after"], "after_clean": r["after_clean"]}]
+
+
+def _column(entry: dict[str, Any], count: int) -> str:
+    name = f"after round {entry['round']}"
+    return f"{name} (steady state)" if count > 1 and entry["round"] == count else name
+
+
+# Which column each goal reads: the first round's goals from round 1, the steady-state
+# goals from the last round.
+_FIRST_ROUND_GOALS = (
+    "drifted_acc_ge_90pct_of_pre",
+    "half_gap_closed",
+    "gap_closed_share",
+    "forgetting_le_2pt",
+    "forward_rate_down_30pct",
+)
+_STEADY_GOALS = ("hybrid_ge_99pct_teacher", "forward_le_25pct", "uplink_le_10pct")
+
+
+def goal_columns(r: dict[str, Any]) -> dict[str, str]:
+    rounds = _rounds(r)
+    first, last = _column(rounds[0], len(rounds)), _column(rounds[-1], len(rounds))
+    return {
+        **{name: first for name in _FIRST_ROUND_GOALS},
+        **{name: last for name in _STEADY_GOALS},
+    }
+
+
 def _goals(r: dict[str, Any]) -> dict[str, Any]:
+    rounds = _rounds(r)
+    first, last = rounds[0], rounds[-1]
     pre, drifted, after = (
         r["before"]["edge_accuracy"],
         r["drifted"]["edge_accuracy"],
-        r["after"]["edge_accuracy"],
+        first["after"]["edge_accuracy"],
     )
     gap = pre - drifted
+    steady = last["after"]
     return {
         "drifted_acc_ge_90pct_of_pre": after >= 0.9 * pre,
         "half_gap_closed": gap <= 0 or (after - drifted) >= 0.5 * gap,
         "gap_closed_share": None if gap <= 0 else round((after - drifted) / gap, 3),
-        "forgetting_le_2pt": pre - r["after_clean"]["edge_accuracy"] <= 0.02,
-        "forward_rate_down_30pct": r["after"]["forward_rate"] <= 0.7 * r["drifted"]["forward_rate"],
-        "hybrid_ge_99pct_teacher": r["after"]["hybrid_accuracy"]
-        >= 0.99 * r["after"]["teacher_only_accuracy"],
-        "forward_le_25pct": r["after"]["forward_rate"] <= 0.25,
-        "uplink_le_10pct": r["after"]["uplink_share"] <= 0.10,
+        "forgetting_le_2pt": pre - first["after_clean"]["edge_accuracy"] <= 0.02,
+        "forward_rate_down_30pct": first["after"]["forward_rate"]
+        <= 0.7 * r["drifted"]["forward_rate"],
+        "hybrid_ge_99pct_teacher": steady["hybrid_accuracy"]
+        >= 0.99 * steady["teacher_only_accuracy"],
+        "forward_le_25pct": steady["forward_rate"] <= 0.25,
+        "uplink_le_10pct": steady["uplink_share"] <= 0.10,
     }
 
 
-def table_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    """The headline table: (figure, before drift, drifted, after one round)."""
+def table_header(r: dict[str, Any]) -> list[str]:
+    """The headline table's column names."""
+    rounds = _rounds(r)
+    return ["", "before drift", "drifted", *(_column(e, len(rounds)) for e in rounds)]
+
+
+def table_rows(r: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The headline table: (figure, before drift, drifted, after round 1, ..., after round N)."""
+    rounds = _rounds(r)
 
     def pct(v: float) -> str:
         return f"{100 * v:.1f}%"
 
-    def row(label: str, key: str, first: str = "before") -> tuple[str, str, str, str]:
-        return (label, pct(r[first][key]), pct(r["drifted"][key]), pct(r["after"][key]))
+    def row(label: str, key: str) -> tuple[str, ...]:
+        return (
+            label,
+            pct(r["before"][key]),
+            pct(r["drifted"][key]),
+            *(pct(e["after"][key]) for e in rounds),
+        )
 
     return [
         (
             "edge acc, drifted stream",
             "-",
             pct(r["drifted"]["edge_accuracy"]),
-            pct(r["after"]["edge_accuracy"]),
+            *(pct(e["after"]["edge_accuracy"]) for e in rounds),
         ),
         (
             "edge acc, clean stream",
             pct(r["before"]["edge_accuracy"]),
             "-",
-            pct(r["after_clean"]["edge_accuracy"]),
+            *(pct(e["after_clean"]["edge_accuracy"]) for e in rounds),
         ),
         row("forward rate", "forward_rate"),
         row("hybrid accuracy", "hybrid_accuracy"),
@@ -912,33 +1077,59 @@ def table_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 
 def _print_table(console: Console, r: dict[str, Any]) -> None:
     table = Table(title=f"closed loop: {r['agents']} agents, drift {r['drift']}")
-    table.add_column("")
-    for col in ("before drift", "drifted", "after one round"):
+    header = table_header(r)
+    table.add_column(header[0])
+    for col in header[1:]:
         table.add_column(col, justify="right")
     for row in table_rows(r):
         table.add_row(*row)
     console.print(table)
-    console.print(f"round (trigger -> job -> agents): {r['round_s']} s; whole run {r['wall_s']} s")
-    console.print(f"goals: {r['goals']}")
+    for e in r.get("rounds") or []:
+        if "after" not in e:
+            console.print(f"round {e['round']}: not run ({e.get('skipped')})")
+            continue
+        version = e["job"]["version"] if e.get("job") else None
+        console.print(
+            f"round {e['round']} (trigger -> job -> agents): {e['round_s']} s"
+            f" (job {e['job_wall_s']} s; with its streams {e['round_wall_s']} s),"
+            f" {e.get('samples_new')} newly verified samples, model {version}"
+        )
+    console.print(f"whole run {r['wall_s']} s")
+    columns = r.get("goal_columns", {})
+    console.print(
+        "goals: "
+        + ", ".join(
+            f"{k}={v} [{columns[k]}]" if k in columns else f"{k}={v}" for k, v in r["goals"].items()
+        ),
+        highlight=False,
+    )
 
 
 def _write_svg(path: Path, r: dict[str, Any]) -> None:
     """A small bar chart (edge accuracy and forward rate per column), no plotting library."""
-    bars = [
-        ("clean, before", r["before"]["edge_accuracy"], r["before"]["forward_rate"]),
-        ("drifted", r["drifted"]["edge_accuracy"], r["drifted"]["forward_rate"]),
-        ("after, drifted", r["after"]["edge_accuracy"], r["after"]["forward_rate"]),
-        ("after, clean", r["after_clean"]["edge_accuracy"], None),
+    bars: list[tuple[str, float, float | None, str]] = [
+        ("clean, before", r["before"]["edge_accuracy"], r["before"]["forward_rate"], ""),
+        ("drifted", r["drifted"]["edge_accuracy"], r["drifted"]["forward_rate"], ""),
     ]
-    w, h, base = 560, 300, 250
+    for e in _rounds(r):
+        version = str((e.get("job") or {}).get("version") or "")
+        served = sorted(set((e.get("agents_on") or {}).values()))
+        marker = ", ".join(served) if served else version
+        k = e["round"]
+        bars.append(
+            (f"round {k}, drifted", e["after"]["edge_accuracy"], e["after"]["forward_rate"], marker)
+        )
+        bars.append((f"round {k}, clean", e["after_clean"]["edge_accuracy"], None, marker))
+    step = 125
+    w, h, base = max(560, 60 + step * len(bars)), 320, 250
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}"'
         ' font-family="sans-serif" font-size="12">',
         f'<text x="10" y="18" font-size="14">EdgeLoop closed loop: drift {r["drift"]}</text>',
         f'<line x1="40" y1="{base}" x2="{w - 10}" y2="{base}" stroke="#333"/>',
     ]
-    for i, (label, acc, fwd) in enumerate(bars):
-        x = 60 + i * 125
+    for i, (label, acc, fwd, version) in enumerate(bars):
+        x = 60 + i * step
         ah = acc * 200
         parts.append(
             f'<rect x="{x}" y="{base - ah:.1f}" width="40" height="{ah:.1f}" fill="#3b7dd8"/>'
@@ -951,14 +1142,20 @@ def _write_svg(path: Path, r: dict[str, Any]) -> None:
                 ' fill="#e07b39"/>'
             )
             parts.append(f'<text x="{x + 45}" y="{base - fh - 4:.1f}">{100 * fwd:.0f}%</text>')
-        parts.append(f'<text x="{x}" y="{base + 16}">{label}</text>')
+        parts.append(f'<text x="{x}" y="{base + 16}">{html.escape(label)}</text>')
+        if version:
+            parts.append(
+                f'<text class="version-marker" data-version="{html.escape(version)}"'
+                f' x="{x}" y="{base + 32}" fill="#6a3d9a">model {html.escape(version)}</text>'
+            )
+    lx = w - 180
     parts.append(
-        '<rect x="380" y="30" width="10" height="10" fill="#3b7dd8"/>'
-        '<text x="395" y="39">edge accuracy</text>'
+        f'<rect x="{lx}" y="30" width="10" height="10" fill="#3b7dd8"/>'
+        f'<text x="{lx + 15}" y="39">edge accuracy</text>'
     )
     parts.append(
-        '<rect x="380" y="46" width="10" height="10" fill="#e07b39"/>'
-        '<text x="395" y="55">forward rate</text>'
+        f'<rect x="{lx}" y="46" width="10" height="10" fill="#e07b39"/>'
+        f'<text x="{lx + 15}" y="55">forward rate</text>'
     )
     parts.append("</svg>")
     path.write_text("\n".join(parts))
@@ -972,6 +1169,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--frames", type=int, default=400, help="frames per agent per phase")
     parser.add_argument("--agents", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2, help="distillation rounds")
     parser.add_argument("--drift", default="blur:0.8")
     parser.add_argument("--threshold", type=float, default=0.9)
     parser.add_argument("--threads", type=int, default=2, help="the job's thread limit")
@@ -988,6 +1186,7 @@ def main() -> None:
         threads=args.threads,
         plot=args.plot,
         report_html=args.report,
+        rounds=args.rounds,
     )
     if args.json:
         print(json.dumps(report, indent=2, default=str))

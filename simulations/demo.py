@@ -3,7 +3,9 @@
 An embedded MQTT broker, SQLite and a local blob folder; the cloud service (verifier
 and REST API); a distill worker; several edge agents on the reference stream. Drift
 is injected, the drift trigger fires, a distillation job runs, the new student
-reaches the agents, and accuracy recovers. Progress is live in the terminal; at the
+reaches the agents, and accuracy recovers; then the drifted stream goes on and the
+trigger fires again for the next round, until the last round (the steady state).
+Progress is live in the terminal; at the
 end the table is printed, a plot saved, and a self-contained HTML report written
 (see ``simulations.closed_loop`` for what is measured and how).
 """
@@ -33,8 +35,13 @@ def run_demo(
     as_json: bool = False,
     console: Console | None = None,
     models: Any = None,
+    rounds: int = 2,
+    job_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run the closed loop once, write ``loop.svg`` and ``loop.html``; return the figures."""
+    """Run the closed loop (``rounds`` rounds), write ``loop.svg`` and ``loop.html``.
+
+    Returns the figures; ``job_params`` adds parameters to every round's job.
+    """
     from simulations.closed_loop import run_closed_loop
 
     console = console or Console(stderr=as_json)
@@ -55,6 +62,8 @@ def run_demo(
         report_html=out / "loop.html",
         console=console,
         models=models,
+        rounds=rounds,
+        job_params=job_params,
     )
     if as_json:
         print(json.dumps({k: v for k, v in report.items() if k != "timeline"}, default=str))

@@ -5,8 +5,9 @@
 Plots along the fleet's live stream (frames in the order the agents answered them):
 edge accuracy, forward rate, and latency (the edge's answer, and capture to verdict
 for forwarded frames), each with the phases shaded, the distillation round marked
-with its duration, and the frame where each model version first answered marked.
-Then the headline table, the goals, and the distillation job's figures.
+with its duration, and the frame where each model version first answered marked (one
+marker per round's model). Then the headline table (a column per round), the goals
+with the column each reads, and each round's distillation job.
 """
 
 from __future__ import annotations
@@ -30,6 +31,18 @@ _SPAN_COLOURS = {
     "distillation round": "#e6ecf7",
     "after one round": "#eef6ee",
 }
+
+
+def _span_colour(label: str) -> str:
+    if label in _SPAN_COLOURS:
+        return _SPAN_COLOURS[label]
+    if label.startswith("after round"):
+        return "#eef6ee"
+    if label.startswith("drifted"):
+        return "#fbe9e2"
+    return "#f2f2f2"
+
+
 Point = tuple[float, float]
 Segment = list[Point]  # one phase's points; lines break between phases
 
@@ -133,7 +146,7 @@ def line_chart(
     for name, n0, n1, t0, t1 in spans:
         label = str(name)
         if n1 > n0:
-            colour = _SPAN_COLOURS.get(label, "#f2f2f2")
+            colour = _span_colour(label)
             out.append(
                 f'<rect class="span" x="{x(n0):.1f}" y="{_PAD_T}"'
                 f' width="{x(n1) - x(n0):.1f}" height="{ph}" fill="{colour}">'
@@ -266,43 +279,72 @@ figure { margin: 1.5em 0; } pre { background: #f6f6f6; padding: 8px; overflow-x:
 <h1>EdgeLoop closed loop</h1>
 <p>{{ r.agents }} edge agents, {{ r.frames_per_phase }} frames per agent per phase,
 drift <b>{{ r.drift }}</b>{% if r.quick %} (quick models){% endif %}.
-Serving <b>{{ r.serving_version }}</b> before; after one round:
+Serving <b>{{ r.serving_version }}</b> before; after the last round:
 {% for a, v in r.agents_on.items() -%}
 {{ a }} on <b>{{ v }}</b>{% if not loop.last %}, {% endif %}
 {%- endfor %}.
-The round (trigger to every agent on the new model) took <b>{{ r.round_s }} s</b>
-(the job {{ r.job_wall_s }} s); the whole run {{ r.wall_s }} s.</p>
+{% if rounds %}{% for e in rounds %}{{ 'Round' if loop.first else 'round' }} {{ e.round }}
+{%- if e.after is defined %} (trigger to every agent on the new model) took
+<b>{{ e.round_s }} s</b> (the job {{ e.job_wall_s }} s, {{ e.samples_new }} newly verified
+samples (the job takes the newest), model <b>{{ e.job.version if e.job else "none" }}</b>
+{%- if e.job and e.job.gate and not e.job.gate.passed %}, refused by the gate{% endif %})
+{%- else %}: not run ({{ e.skipped }}){% endif %}; {% endfor %}
+{%- else %}The round (trigger to every agent on the new model) took <b>{{ r.round_s }} s</b>
+(the job {{ r.job_wall_s }} s); {% endif %}the whole run {{ r.wall_s }} s.</p>
 <table id="headline">
-<tr><th></th><th>before drift</th><th>drifted</th><th>after one round</th></tr>
+<tr>{% for h in header %}<th>{{ h }}</th>{% endfor %}</tr>
 {% for row in rows %}<tr>{% for c in row %}<td>{{ c }}</td>{% endfor %}</tr>
 {% endfor %}</table>
 <p>Every column is measured on the same evaluation frames, from source scans the
 live phases never streamed; the serving student's columns apply the agents' routing
-rule without sending.</p>
+rule without sending. From the second round on, the drifted stream continues on the
+live frames and each round trains on the newest verified samples (all from live
+frames); every round's column but the last is measured without sending, so no
+evaluation frame is ever verified.</p>
 <h2>Goals</h2>
-<ul>{% for name, ok in goals %}<li class="{{ 'pass' if ok else 'fail' }}">{{ name }}:
-{{ 'met' if ok else 'not met' }}</li>{% endfor %}</ul>
+<ul>{% for name, ok, column in goals %}<li class="{{ 'pass' if ok else 'fail' }}">{{ name }}:
+{{ 'met' if ok else 'not met' }}{% if column %} ({{ column }}){% endif %}</li>{% endfor %}</ul>
 <h2>Over time</h2>
 {% for name, svg in plots.items() %}<figure id="plot-{{ name }}">{{ svg }}</figure>
 {% endfor %}
-<h2>The distillation job</h2>
-<pre>{{ job }}</pre>
+{% for title, text in jobs %}<h2>{{ title }}</h2>
+<pre>{{ text }}</pre>
+{% endfor %}
 </body></html>
 """
 
 
 def render_report(report: dict[str, Any]) -> str:
     """The report's HTML text."""
-    from simulations.closed_loop import table_rows
+    from simulations.closed_loop import table_header, table_rows
 
     env = Environment(autoescape=True)
-    goals = [(k, bool(v)) for k, v in report.get("goals", {}).items() if isinstance(v, bool)]
+    columns = report.get("goal_columns", {})
+    goals = [
+        (k, bool(v), columns.get(k, ""))
+        for k, v in report.get("goals", {}).items()
+        if isinstance(v, bool)
+    ]
+    rounds = report.get("rounds") or []
+    if rounds:
+        jobs = [
+            (
+                f"The distillation job, round {e['round']}",
+                json.dumps(e.get("job"), indent=2, default=str),
+            )
+            for e in rounds
+            if e.get("job") is not None
+        ]
+    else:
+        jobs = [("The distillation job", json.dumps(report.get("job"), indent=2, default=str))]
     return env.from_string(_TEMPLATE).render(
         r=report,
+        rounds=rounds,
+        header=table_header(report),
         rows=table_rows(report),
         goals=goals,
         plots={k: Markup(v) for k, v in plots(report).items()},  # built here, values escaped
-        job=json.dumps(report.get("job"), indent=2, default=str),
+        jobs=jobs,
     )
 
 
