@@ -95,9 +95,7 @@ def create_app(
         settings=settings,
         engine=engine,
         sessions=make_session_factory(engine),
-        blobs=blobs
-        or (worker.blobs if worker else None)
-        or open_blob_store(settings),
+        blobs=blobs or (worker.blobs if worker else None) or open_blob_store(settings),
         metrics=metrics or (worker.metrics if worker else None) or CloudMetrics(),
         signing_key=load_signing_key(settings, signs=not health_only),
         worker=worker,
