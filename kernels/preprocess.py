@@ -17,12 +17,13 @@ for real only where CUDA is present (``available()``).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from kernels import available
 
 try:  # triton is the `gpu` extra (and `dev`, for the interpreter tests)
     import triton
@@ -36,20 +37,6 @@ __all__ = ["available", "bench", "preprocess", "preprocess_reference"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-def available() -> bool:
-    """True when the kernel can run: triton importable and CUDA present (or the interpreter)."""
-    if not HAVE_TRITON:
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except ImportError:
-        return False
 
 
 if HAVE_TRITON:

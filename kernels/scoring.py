@@ -12,11 +12,12 @@ Kernel, launcher, NumPy reference and benchmark side by side (triton tutorials):
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from kernels import available
 
 try:
     import triton
@@ -35,20 +36,6 @@ class Scores(NamedTuple):
     confidence: Any  # [B] float32 its probability
     margin: Any  # [B] float32 top-1 minus top-2 probability
     entropy: Any  # [B] float32 entropy in nats
-
-
-def available() -> bool:
-    """True when the kernel can run: triton importable and CUDA present (or the interpreter)."""
-    if not HAVE_TRITON:
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except ImportError:
-        return False
 
 
 if HAVE_TRITON:
