@@ -298,13 +298,20 @@ def worker(
     lease_s: float = typer.Option(30.0, min=1.0, help="Lease length; renewed every third."),
     poll_s: float = typer.Option(2.0, min=0.05, help="How often an idle worker looks."),
     max_jobs: int | None = typer.Option(None, min=1, help="Exit after this many jobs."),
+    health_port: int | None = typer.Option(
+        None, min=0, max=65535, help="Serve /healthz and /readyz on this port (probes)."
+    ),
+    health_host: str = typer.Option("0.0.0.0", help="Address of the probe server."),
     config: Path | None = ConfigOption,
 ) -> None:
     """Run a distill worker until SIGTERM/SIGINT (a running job is requeued on stop)."""
+    from contextlib import nullcontext
+
     from cloud_service.announce import MqttAnnouncer
     from cloud_service.api.state import load_signing_key
     from cloud_service.blobs import open_blob_store
     from distill.cache import reference_model_path
+    from distill.health import HealthServer
     from distill.pipeline import PipelineServices, make_runner
     from distill.worker import DistillWorker
 
@@ -338,5 +345,11 @@ def worker(
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     _console.print(f"distill worker {w.owner} on {settings.resolved_database_url}")
-    ran = w.run(max_jobs=max_jobs)
+    probes = (
+        HealthServer(w.health, health_host, health_port)
+        if health_port is not None
+        else nullcontext()
+    )
+    with probes:
+        ran = w.run(max_jobs=max_jobs)
     _console.print(f"ran {ran} job(s): {w.finished}")

@@ -33,6 +33,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import update
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from distill import jobs
@@ -171,6 +172,21 @@ class DistillWorker:
         self.stopping = threading.Event()
         self.current: JobContext | None = None
         self.finished: list[tuple[int, str]] = []  # (job id, final state) for this worker
+        # For probes: when the claim loop or a job's heartbeat last went round (alive, even
+        # when the database did not answer: an outage must not restart every replica).
+        self.last_contact = time.monotonic()
+        self.database_ok = True
+
+    def health(self) -> tuple[bool, bool, str]:
+        """(alive, ready, why): alive while the loop or the running job's heartbeat goes
+        round; ready while the last database round trip succeeded."""
+        running = self.current is not None
+        # A claim loop polls every poll_s; a running job renews its lease every heartbeat_s.
+        limit = 3 * (self.heartbeat_s if running else self.poll_s) + 30.0
+        quiet = time.monotonic() - self.last_contact
+        alive = quiet <= limit
+        why = f"{'running a job' if running else 'idle'}; loop last went round {quiet:.0f} s ago"
+        return alive, alive and self.database_ok, why
 
     def stop(self) -> None:
         self.stopping.set()
@@ -181,7 +197,16 @@ class DistillWorker:
         while not self.stopping.is_set():
             if max_jobs is not None and ran >= max_jobs:
                 break
-            job_id = self.run_once()
+            try:
+                job_id = self.run_once()
+            except SQLAlchemyError as exc:  # the database is away: not ready, try again
+                self.database_ok = False
+                self.last_contact = time.monotonic()  # the loop itself is alive
+                log.warning("cannot claim a job: %s", exc)
+                self.stopping.wait(self.poll_s)
+                continue
+            self.database_ok = True
+            self.last_contact = time.monotonic()
             if job_id is not None:
                 ran += 1
                 idle_since = time.monotonic()
@@ -321,6 +346,8 @@ class DistillWorker:
                 return
             except Exception as exc:  # a database hiccup: try again next beat
                 log.warning("job %d: heartbeat failed: %s", ctx.job_id, exc)
+                self.last_contact = time.monotonic()
                 continue
+            self.last_contact = time.monotonic()
             if cancel:
                 ctx.cancelled.set()

@@ -85,6 +85,11 @@ def test_workloads_run_real_commands(manifests: list[dict[str, Any]]) -> None:
     worker = _container(_find(manifests, "Deployment", "edgeloop-distill-worker"))
     path, params = _parse_command(worker["command"])
     assert path == ["jobs", "worker"] and params["lease_s"] == 30
+    assert params["health_port"] == 8082
+    ports = {p["name"]: p["containerPort"] for p in worker["ports"]}
+    assert worker["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert worker["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    assert ports["health"] == params["health_port"]
 
 
 def test_http_probes_call_endpoints_on_declared_ports(manifests: list[dict[str, Any]]) -> None:
