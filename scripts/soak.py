@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,26 +38,12 @@ import psutil
 from cloud_service.demo_teacher import build_demo_teacher
 from cloud_service.settings import CloudSettings
 from cloud_service.worker import VerifierWorker
-from shared.broker import free_port
+from shared.broker import MosquittoProcess
 from shared.envelope import encode_envelope
 from shared.messages import Verdict
 from shared.mqtt import MqttTarget, make_client
 from shared.topics import Topics
 from tests.cloud_service.conftest import image_bytes, make_header
-
-
-def start_mosquitto(folder: Path) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
-    conf = folder / "mosquitto.conf"
-    conf.write_text(
-        f"listener {port} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\n"
-        "max_queued_messages 100000\npersistence false\n"
-        + ("user root\n" if os.geteuid() == 0 else "")
-    )
-    binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-    proc = subprocess.Popen([binary, "-c", str(conf)], stderr=subprocess.DEVNULL)
-    time.sleep(0.5)
-    return proc, port
 
 
 class SimFleet:
@@ -109,8 +93,9 @@ class SimFleet:
 
 def run(minutes: float, rate: float, agents: int, window_s: float = 60.0) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix="edgeloop-soak-"))
-    broker, port = start_mosquitto(folder)
-    url = f"mqtt://127.0.0.1:{port}"
+    broker = MosquittoProcess(folder, persistence=False)
+    broker.start()
+    url = broker.url
     topics = Topics(prefix="edgeloop-soak/v1")
     settings = CloudSettings(
         data_dir=folder / "data",
@@ -168,8 +153,7 @@ def run(minutes: float, rate: float, agents: int, window_s: float = 60.0) -> dic
             fleet.close()
             counts = dict(worker.counts)
     finally:
-        broker.terminate()
-        broker.wait(5)
+        broker.stop()
         shutil.rmtree(folder, ignore_errors=True)
     if not windows:
         raise SystemExit("the soak ended before its first window closed: raise --minutes")

@@ -1,24 +1,32 @@
-"""An embedded MQTT broker for demos, first tries and tests on a laptop.
+"""Brokers a process can own: an embedded one, and a private Mosquitto.
 
 Production points at Mosquitto or an EMQX/HiveMQ cluster by URL. The embedded
 broker is amqtt (pure Python, MQTT 3.1.1) running on its own event loop in a
 daemon thread, bound to loopback on a free port, so nothing has to be installed
 by hand. It speaks 3.1.1 only: clients fall back from MQTT v5 automatically
 (see ``shared.mqtt``), and ``$share`` subscriptions are not available on it.
+
+``MosquittoProcess`` runs an installed Mosquitto on a free loopback port, for the
+outage tests, the fleet simulation and the soak: things that stop and start it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 import socket
+import subprocess
 import threading
+import time
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from shared.errors import TransportError
 
-__all__ = ["EmbeddedBroker", "free_port"]
+__all__ = ["EmbeddedBroker", "MosquittoProcess", "free_port"]
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +36,98 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _answers(host: str, port: int, timeout: float = 0.2) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class MosquittoProcess:
+    """An installed Mosquitto on a free loopback port, under ``workdir``.
+
+    ``start()``, ``stop()``, ``restart()`` (the port stays), or ``with`` for one run.
+    Raises TransportError when Mosquitto is not installed.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        persistence: bool = True,
+        max_queued: int = 100_000,
+        extra_config: str = "",
+    ) -> None:
+        binary = shutil.which("mosquitto") or (
+            "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
+        )
+        if binary is None:
+            raise TransportError("mosquitto is not installed (Debian: apt-get install mosquitto)")
+        self.binary = binary
+        self.port = free_port()
+        self.workdir = workdir
+        self.config = workdir / "mosquitto.conf"
+        self.config.write_text(
+            f"listener {self.port} 127.0.0.1\n"
+            "allow_anonymous true\n"
+            "set_tcp_nodelay true\n"
+            + (
+                f"persistence true\npersistence_location {workdir}/\n"
+                if persistence
+                else "persistence false\n"
+            )
+            + f"max_queued_messages {max_queued}\n"
+            f"log_dest file {workdir}/mosquitto.log\n"
+            # As root, Mosquitto drops to its own user and then cannot write its
+            # persistence file here, so a restart would lose queued sessions.
+            + ("user root\n" if os.geteuid() == 0 else "")
+            + extra_config
+        )
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def start(self, timeout: float = 10.0) -> None:
+        self.process = subprocess.Popen(
+            [self.binary, "-c", str(self.config)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout
+        while not _answers("127.0.0.1", self.port):
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                raise TransportError(f"mosquitto did not start on port {self.port}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self.process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def __enter__(self) -> MosquittoProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 class EmbeddedBroker:

@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -57,7 +57,7 @@ from PIL import Image
 from rich.console import Console
 from rich.table import Table
 
-from shared.broker import free_port
+from shared.broker import MosquittoProcess, free_port
 from shared.envelope import encode_envelope
 from shared.errors import EdgeLoopError, MessageError, TransportError
 from shared.ids import new_sample_id
@@ -68,8 +68,8 @@ from shared.topics import Topics
 __all__ = [
     "FleetConfig",
     "FleetStep",
-    "PrivateMosquitto",
     "find_knee",
+    "private_mosquitto",
     "run_fleet",
 ]
 
@@ -130,85 +130,16 @@ class FleetStep:
 # --- the broker --------------------------------------------------------------
 
 
-def _mosquitto_binary() -> str | None:
-    return shutil.which("mosquitto") or (
-        "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
+def private_mosquitto(workdir: Path, *, max_queued: int = 200_000) -> MosquittoProcess:
+    """A Mosquitto on a free loopback port, configured for a fleet (``with`` runs it)."""
+    return MosquittoProcess(
+        workdir,
+        persistence=False,
+        # Sized so the broker never drops a queued QoS 1 message in this run: loss then
+        # means the cloud did not keep up, not a broker queue limit.
+        max_queued=max_queued,
+        extra_config="max_inflight_messages 1000\nmax_connections -1\n",
     )
-
-
-class PrivateMosquitto:
-    """A Mosquitto on a free loopback port, configured for a fleet; ``with`` starts and stops it."""
-
-    def __init__(self, workdir: Path, *, max_queued: int = 200_000) -> None:
-        binary = _mosquitto_binary()
-        if binary is None:
-            raise TransportError("mosquitto is not installed; pass a broker URL instead")
-        self.binary = binary
-        self.port = free_port()
-        self.config = workdir / "mosquitto.conf"
-        self.config.write_text(
-            f"listener {self.port} 127.0.0.1\n"
-            "allow_anonymous true\n"
-            "set_tcp_nodelay true\n"
-            "persistence false\n"
-            # Sized so the broker never drops a queued QoS 1 message in this run:
-            # loss then means the cloud did not keep up, not a broker queue limit.
-            f"max_queued_messages {max_queued}\n"
-            "max_inflight_messages 1000\n"
-            "max_connections -1\n"
-            f"log_dest file {workdir}/mosquitto.log\n"
-            + ("user root\n" if os.geteuid() == 0 else "")
-        )
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"mqtt://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process else None
-
-    def __enter__(self) -> PrivateMosquitto:
-        self.process = subprocess.Popen(
-            [self.binary, "-c", str(self.config)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        _wait_for(
-            lambda: _answers("127.0.0.1", self.port),
-            10.0,
-            f"mosquitto did not start on port {self.port}",
-        )
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-        self.process = None
-
-
-def _answers(host: str, port: int) -> bool:
-    import socket
-
-    try:
-        with socket.create_connection((host, port), timeout=0.3):
-            return True
-    except OSError:
-        return False
-
-
-def _wait_for(check: Callable[[], bool], timeout: float, message: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TransportError(message)
-        time.sleep(0.05)
 
 
 # --- the database and the teacher ---------------------------------------------
@@ -827,7 +758,7 @@ def run_fleet(config: FleetConfig, *, console: Console | None = None) -> dict[st
         with contextlib.ExitStack() as stack:
             broker_pid: int | None = None
             if config.broker_url is None:
-                broker = stack.enter_context(PrivateMosquitto(workdir))
+                broker = stack.enter_context(private_mosquitto(workdir))
                 broker_url, broker_pid, broker_kind = broker.url, broker.pid, "private mosquitto"
             else:
                 broker_url, broker_kind = config.broker_url, "given broker"

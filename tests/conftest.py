@@ -16,10 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
 import socket
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,7 +25,9 @@ from typing import Any
 
 import pytest
 
-from shared.broker import EmbeddedBroker, free_port
+from shared.broker import EmbeddedBroker
+from shared.broker import MosquittoProcess as SharedMosquitto
+from shared.errors import TransportError
 from shared.mqtt import MqttTarget, negotiate_protocol
 from shared.topics import Topics
 
@@ -149,67 +148,14 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
 # --- a private Mosquitto, for outages ---------------------------------------
 
 
-def _mosquitto_binary() -> str | None:
-    return shutil.which("mosquitto") or (
-        "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
-    )
-
-
-class MosquittoProcess:
-    """A Mosquitto the test owns: ``start()``, ``stop()``, ``restart()``, on a fixed port."""
+class MosquittoProcess(SharedMosquitto):
+    """``shared.broker.MosquittoProcess``; the test skips where Mosquitto is missing."""
 
     def __init__(self, workdir: Path, extra_config: str = "") -> None:
-        binary = _mosquitto_binary()
-        if binary is None:
-            pytest.skip("mosquitto is not installed (make test installs it when run as root)")
-        self.binary = binary
-        self.port = free_port()
-        self.workdir = workdir
-        self.config = workdir / "mosquitto.conf"
-        self.config.write_text(
-            f"listener {self.port} 127.0.0.1\n"
-            "allow_anonymous true\n"
-            "set_tcp_nodelay true\n"
-            "persistence true\n"
-            f"persistence_location {workdir}/\n"
-            "max_queued_messages 100000\n"
-            f"log_dest file {workdir}/mosquitto.log\n"
-            # As root, Mosquitto drops to its own user and then cannot write its
-            # persistence file here, so a restart would lose queued sessions.
-            + ("user root\n" if os.geteuid() == 0 else "")
-            + extra_config
-        )
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"mqtt://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 10.0) -> None:
-        self.process = subprocess.Popen(
-            [self.binary, "-c", str(self.config)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + timeout
-        while not _answers("127.0.0.1", self.port, 0.2):
-            if time.monotonic() > deadline or self.process.poll() is not None:
-                raise RuntimeError(f"mosquitto did not start on port {self.port}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-        self.process = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
+        try:
+            super().__init__(workdir, extra_config=extra_config)
+        except TransportError as exc:
+            pytest.skip(f"{exc}; make test installs it when run as root")
 
 
 @pytest.fixture
