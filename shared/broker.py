@@ -83,8 +83,7 @@ class MosquittoProcess:
             f"log_dest file {workdir}/mosquitto.log\n"
             # As root, Mosquitto drops to its own user and then cannot write its
             # persistence file here, so a restart would lose queued sessions.
-            + ("user root\n" if os.geteuid() == 0 else "")
-            + extra_config
+             + ("user root\n" if os.geteuid() == 0 else "") + extra_config
         )
         self.process: subprocess.Popen[bytes] | None = None
 
