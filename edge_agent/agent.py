@@ -616,25 +616,20 @@ class Agent:
                     quality=s.upload_jpeg_quality,
                     recompress=s.upload_recompress,
                 )
-            header = SampleHeader(
+            payload = self.envelope(
                 sample_id=sample_id,
-                fleet=s.fleet,
-                agent=s.agent_id,
+                image=image,
+                image_info=image_info,
                 captured_at=captured_at,
                 model_name=engine.name,
                 model_version=engine.version,
                 scores=[float(x) for x in scores],
                 predicted=decision.predicted,
-                confidence=min(1.0, max(0.0, decision.confidence)),
+                confidence=decision.confidence,
                 route_reason=decision.reason,
                 priority=decision.priority,
-                image_format=image_info.format,
-                image_width=image_info.width,
-                image_height=image_info.height,
-                image_bytes=len(image),
-                meta={"source": source},
+                source=source,
             )
-            payload = encode_envelope(header, image, self._limits)
         except EdgeLoopError as exc:
             # The frame is still answered; the failure is counted and shown in status.
             self.spool_errors += 1
@@ -643,6 +638,44 @@ class Agent:
         return NewSample(
             sample_id, payload, priority=decision.priority, audit=decision.reason == "audit"
         )
+
+    def envelope(
+        self,
+        *,
+        sample_id: str,
+        image: bytes,
+        image_info: ImageInfo,
+        captured_at: datetime,
+        model_name: str,
+        model_version: str,
+        scores: list[float],
+        predicted: int,
+        confidence: float,
+        route_reason: str | None,
+        priority: int,
+        source: str,
+    ) -> bytes:
+        """The sample envelope this agent uploads for an image (raises ContractError)."""
+        s = self.settings
+        header = SampleHeader(
+            sample_id=sample_id,
+            fleet=s.fleet,
+            agent=s.agent_id,
+            captured_at=captured_at,
+            model_name=model_name,
+            model_version=model_version,
+            scores=scores,
+            predicted=predicted,
+            confidence=min(1.0, max(0.0, confidence)),
+            route_reason=route_reason,
+            priority=priority,
+            image_format=image_info.format,
+            image_width=image_info.width,
+            image_height=image_info.height,
+            image_bytes=len(image),
+            meta={"source": source},
+        )
+        return encode_envelope(header, image, self._limits)
 
     def _remember(self, result: FrameResult) -> None:
         with self._results_lock:

@@ -85,7 +85,6 @@ from edge_agent.agent import Agent, FrameResult
 from edge_agent.imaging import encode_for_upload
 from edge_agent.routing import Router
 from edge_agent.settings import AgentSettings
-from shared import SampleHeader, encode_envelope
 from shared.errors import MessageError
 from shared.ids import new_sample_id
 from shared.messages import Verdict, decode_message
@@ -308,25 +307,21 @@ class _Fleet:
             quality=s.upload_jpeg_quality,
             recompress=s.upload_recompress,
         )
-        header = SampleHeader(
+        envelope = agent.envelope(
             sample_id=result.sample_id,
-            fleet=s.fleet,
-            agent=s.agent_id,
+            image=image,
+            image_info=info,
             captured_at=datetime.now(UTC),
             model_name=result.model_name,
             model_version=result.model_version,
             scores=result.scores,
             predicted=result.predicted,
-            confidence=min(1.0, max(0.0, result.confidence)),
+            confidence=result.confidence,
             route_reason=result.route_reason or "audit",
             priority=result.priority,
-            image_format=info.format,
-            image_width=info.width,
-            image_height=info.height,
-            image_bytes=len(image),
-            meta={"source": "stream"},
+            source="stream",
         )
-        return image, len(encode_envelope(header, image))
+        return image, len(envelope)
 
     def _teacher_label(self, image: bytes) -> int:
         with Image.open(io.BytesIO(image)) as img:
