@@ -210,7 +210,7 @@ def setup(
 
 QUICK_PARAMS = {
     "fleet": FLEET,
-    "epochs": 6,
+    "epochs": 12,
     "threads": 2,
     "drift_eval": "blur:1,noise:0.5",
     "drift_eval_frames": 100,
