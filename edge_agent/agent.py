@@ -6,7 +6,8 @@
 Entering starts the named background threads and stopping ends them in reverse:
 
 - ``inference-loop``  (MicroBatcher) batches frames across sources and runs the student
-- ``agent-post-*``    routes each answered frame and encodes the forwarded ones
+- ``agent-post-*``    routes each inferred batch at once (one hand-over per batch),
+                      answers its confident frames, then encodes the forwarded ones
 - ``spool-writer``    stores forwarded samples a micro-batch at a time (one transaction);
                       a forwarded frame is answered once its sample is committed, and
                       the batch is published right after, while the link keeps up
@@ -47,7 +48,7 @@ from typing import Any
 import cv2
 import numpy as np
 
-from edge_agent.batcher import BatchResult, MicroBatcher, WorkerPool
+from edge_agent.batcher import JobBatch, MicroBatcher, WorkerPool
 from edge_agent.engine import Engine, EngineOptions, OrtEngine
 from edge_agent.imaging import (
     DecodedImage,
@@ -76,7 +77,7 @@ from shared.messages import (
     encode_message,
 )
 
-__all__ = ["Agent", "FrameResult", "VerdictStore", "build_engine", "build_publisher"]
+__all__ = ["Agent", "FrameResult", "Reply", "VerdictStore", "build_engine", "build_publisher"]
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +233,64 @@ def build_publisher(settings: AgentSettings) -> MqttLink:
     )
 
 
+Reply = Callable[[FrameResult | None, BaseException | None], None]
+
+
+class _Job:
+    """One queued frame: what routing and its answer need once the batch is inferred."""
+
+    __slots__ = ("bgr", "captured", "encoded", "frame", "info", "reply", "source", "started")
+
+    def __init__(
+        self,
+        frame: np.ndarray | None,
+        bgr: bool,
+        source: str,
+        encoded: bytes | None,
+        info: ImageInfo | None,
+        started: float,
+        reply: Reply,
+    ) -> None:
+        self.frame = frame  # the frame as captured, kept for re-encoding when forwarded
+        self.bgr = bgr
+        self.source = source
+        self.encoded = encoded
+        self.info = info
+        self.started = started
+        self.reply = reply
+        self.captured = time.time()  # made a datetime only for a forwarded frame
+
+    @property
+    def captured_at(self) -> datetime:
+        return datetime.fromtimestamp(self.captured, UTC)
+
+
+class _FutureReply:
+    """A Reply that settles a concurrent Future (what ``Agent.submit`` returns)."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: Future[FrameResult]) -> None:
+        self.future = future
+
+    def __call__(self, result: FrameResult | None, error: BaseException | None) -> None:
+        if self.future.done():
+            return
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)  # type: ignore[arg-type]
+
+
+def _fail_all(jobs: list[_Job], error: BaseException) -> None:
+    """Answer every job with ``error``."""
+    for job in jobs:
+        try:
+            job.reply(None, error)
+        except Exception:  # one reply's failure must not leave the others unanswered
+            log.exception("a frame's reply failed")
+
+
 class Agent:
     """One edge agent; a context manager that owns its background threads."""
 
@@ -307,7 +366,10 @@ class Agent:
             s.routing_policy, labels=list(self.engine.labels), clock=self.clock, rng=self._rng
         )
         self.batcher = MicroBatcher(
-            self.engine, max_batch=s.max_batch, max_wait_s=s.max_wait_ms / 1000.0
+            self.engine,
+            max_batch=s.max_batch,
+            max_wait_s=s.max_wait_ms / 1000.0,
+            on_batch=self._on_batch,
         ).start()
         self._post = WorkerPool(2, name="agent-post")
         self.publisher: Publisher = self._publisher_arg or build_publisher(s)
@@ -445,6 +507,23 @@ class Agent:
             tensor = resize_for_model(tensor, self.engine.input_hw)
         return self._submit(tensor, None, source, frame.encoded, frame.info, started, block)
 
+    def answer_frame(
+        self, frame: ModelFrame, reply: Reply, *, source: str, block: bool = True
+    ) -> None:
+        """Queue an upload decoded at the model's size; ``reply(result, error)`` answers it.
+
+        The reply runs once, on an agent thread, with a FrameResult or the error that
+        stopped the frame; a batch's frames are answered together, so a reply should
+        only hand the answer on. Raises queue.Full or ModelError when the frame cannot
+        be queued at all.
+        """
+        started = time.perf_counter()
+        tensor = frame.tensor
+        if tensor.shape[:2] != self.engine.input_hw:  # the model was swapped meanwhile
+            tensor = resize_for_model(tensor, self.engine.input_hw)
+        job = _Job(None, False, source, frame.encoded, frame.info, started, reply)
+        self.batcher.submit_job(tensor, job, block=block)
+
     def _submit(
         self,
         tensor: np.ndarray,
@@ -457,38 +536,31 @@ class Agent:
         *,
         bgr: bool = False,
     ) -> Future[FrameResult]:
-        captured_at = datetime.now(UTC)
-        inner = self.batcher.submit(tensor, block=block)
         outer: Future[FrameResult] = Future()
-
-        def finish(done: Future[BatchResult]) -> None:
-            try:
-                self._finish(
-                    done.result(), rgb, source, encoded, info, captured_at, started, outer, bgr
-                )
-            except BaseException as exc:
-                if not outer.done():
-                    outer.set_exception(exc)
-            finally:
-                with self._routing_lock:
-                    self._routing -= 1
-                    last = self._routing == 0
-                if last:
-                    self.spool_writer.nudge()  # its batch is complete: commit now
-
-        def hand_over(done: Future[BatchResult]) -> None:
-            # Routing and spooling run off the inference thread so batches keep flowing.
-            with self._routing_lock:
-                self._routing += 1
-            try:
-                self._post.submit(finish, done)
-            except RuntimeError as exc:  # executor shut down: the agent is stopping
-                with self._routing_lock:
-                    self._routing -= 1
-                outer.set_exception(exc)
-
-        inner.add_done_callback(hand_over)
+        job = _Job(rgb, bgr, source, encoded, info, started, _FutureReply(outer))
+        self.batcher.submit_job(tensor, job, block=block)
         return outer
+
+    def _on_batch(self, batch: JobBatch) -> None:
+        # On the inference thread: hand the batch over, so the next one starts at once.
+        jobs: list[_Job] = batch.jobs
+        if batch.error is not None:
+            _fail_all(jobs, batch.error)
+            return
+        with self._routing_lock:
+            self._routing += len(jobs)
+        try:
+            self._post.submit(self._finish_batch, batch)
+        except RuntimeError as exc:  # the pool is shut down: the agent is stopping
+            self._routed(len(jobs))
+            _fail_all(jobs, exc)
+
+    def _routed(self, count: int) -> None:
+        with self._routing_lock:
+            self._routing -= count
+            last = self._routing == 0
+        if last:
+            self.spool_writer.nudge()  # its batch is complete: commit now
 
     def process(self, rgb: np.ndarray, *, source: str, **kwargs: Any) -> FrameResult:
         """Answer one frame (blocking)."""
@@ -499,81 +571,121 @@ class Agent:
         frame = self.decode_for_model(body)
         return self.submit_frame(frame, source=source).result(self.settings.infer_timeout_s)
 
-    def _finish(
-        self,
-        batch: BatchResult,
-        frame: np.ndarray | None,
-        source: str,
-        encoded: bytes | None,
-        info: ImageInfo | None,
-        captured_at: datetime,
-        started: float,
-        outer: Future[FrameResult],
-        bgr: bool = False,
-    ) -> None:
-        """Route one answered frame and resolve ``outer``: at once, or once it is spooled."""
-        scores = batch.scores
-        engine = batch.engine
-        with self._router_lock:
-            decision = self.router.decide(scores)
-        if decision.over_budget:
-            self.telemetry.over_budget.inc()
-        sample_id = new_sample_id()
-        if decision.forward:
-            sample = self._encode_sample(
-                sample_id, decision, scores, engine, frame, bgr, encoded, info, captured_at, source
-            )
-            if sample is not None:
-
-                def stored(ok: bool, error: BaseException | None) -> None:
-                    if error is not None:
-                        # The frame is still answered; the failure is counted and shown.
-                        self.spool_errors += 1
-                        log.warning("could not spool sample %s: %s", sample_id, error)
-                    self._answer(outer, batch, decision, sample_id, source, started, ok)
-
-                self.spool_writer.submit(sample, stored)
+    def _finish_batch(self, batch: JobBatch) -> None:
+        """Route one inferred batch and answer it: confident frames at once, forwarded
+        ones once their samples are spooled (encoded after the others are answered)."""
+        jobs: list[_Job] = batch.jobs
+        try:
+            scores = batch.scores
+            assert scores is not None  # a failed batch is answered on the inference thread
+            try:
+                with self._router_lock:
+                    decisions = self.router.decide_batch(scores)
+            except BaseException as exc:
+                _fail_all(jobs, exc)
                 return
-        self._answer(outer, batch, decision, sample_id, source, started, False)
+            self.telemetry.batch_size.observe(batch.size)
+            answered: list[tuple[_Job, FrameResult]] = []
+            forwarded: list[tuple[_Job, np.ndarray, Decision, str]] = []
+            for job, row, decision in zip(jobs, scores, decisions, strict=True):
+                if decision.over_budget:
+                    self.telemetry.over_budget.inc()
+                sample_id = new_sample_id()
+                if decision.forward:
+                    forwarded.append((job, row, decision, sample_id))
+                    continue
+                try:
+                    answered.append((job, self._result(job, row, batch, decision, sample_id)))
+                except BaseException as exc:
+                    job.reply(None, exc)
+            self._deliver(answered)
+            for job, row, decision, sample_id in forwarded:
+                self._forward(job, row, batch, decision, sample_id)
+        finally:
+            self._routed(len(jobs))
 
-    def _answer(
+    def _forward(
+        self, job: _Job, row: np.ndarray, batch: JobBatch, decision: Decision, sample_id: str
+    ) -> None:
+        """Spool a forwarded frame's sample, then answer it (unforwarded when that fails)."""
+        try:
+            sample = self._encode_sample(
+                sample_id,
+                decision,
+                row,
+                batch.engine,
+                job.frame,
+                job.bgr,
+                job.encoded,
+                job.info,
+                job.captured_at,
+                job.source,
+            )
+            if sample is None:
+                self._deliver([(job, self._result(job, row, batch, decision, sample_id))])
+                return
+        except BaseException as exc:
+            job.reply(None, exc)
+            return
+
+        def stored(ok: bool, error: BaseException | None) -> None:
+            if error is not None:
+                # The frame is still answered; the failure is counted and shown.
+                self.spool_errors += 1
+                log.warning("could not spool sample %s: %s", sample_id, error)
+            try:
+                result = self._result(job, row, batch, decision, sample_id, forwarded=ok)
+            except BaseException as exc:
+                job.reply(None, exc)
+            else:
+                self._deliver([(job, result)])
+
+        self.spool_writer.submit(sample, stored)
+
+    def _result(
         self,
-        outer: Future[FrameResult],
-        batch: BatchResult,
+        job: _Job,
+        row: np.ndarray,
+        batch: JobBatch,
         decision: Decision,
         sample_id: str,
-        source: str,
-        started: float,
-        forwarded: bool,
-    ) -> None:
+        *,
+        forwarded: bool = False,
+    ) -> FrameResult:
+        engine = batch.engine
+        labels = engine.labels
+        predicted = decision.predicted
+        return FrameResult(
+            sample_id=sample_id,
+            label=labels[predicted] if predicted < len(labels) else str(predicted),
+            predicted=predicted,
+            scores=row.tolist(),
+            confidence=decision.confidence,
+            forwarded=forwarded,
+            route_reason=decision.reason,
+            priority=decision.priority,
+            over_budget=decision.over_budget,
+            latency_ms=(time.perf_counter() - job.started) * 1e3,
+            model_name=engine.name,
+            model_version=engine.version,
+            source=job.source,
+        )
+
+    def _deliver(self, answered: list[tuple[_Job, FrameResult]]) -> None:
+        """Count and remember answered frames, then reply to each."""
+        if not answered:
+            return
         try:
-            engine = batch.engine
-            latency = time.perf_counter() - started
-            labels = engine.labels
-            result = FrameResult(
-                sample_id=sample_id,
-                label=labels[decision.predicted]
-                if decision.predicted < len(labels)
-                else str(decision.predicted),
-                predicted=decision.predicted,
-                scores=[float(x) for x in batch.scores],
-                confidence=decision.confidence,
-                forwarded=forwarded,
-                route_reason=decision.reason,
-                priority=decision.priority,
-                over_budget=decision.over_budget,
-                latency_ms=latency * 1e3,
-                model_name=engine.name,
-                model_version=engine.version,
-                source=source,
+            self.telemetry.record_frames(
+                (job.source, r.latency_ms / 1e3, r.forwarded, r.route_reason) for job, r in answered
             )
-            self.telemetry.batch_size.observe(batch.batch_size)
-            self.telemetry.record_frame(source, latency, forwarded, decision.reason)
-            self._remember(result)
+            self._remember_all([r for _, r in answered])
         except BaseException as exc:
-            outer.set_exception(exc)
-        else:
-            outer.set_result(result)
+            for job, _ in answered:
+                job.reply(None, exc)
+            return
+        for job, result in answered:
+            job.reply(result, None)
 
     def _encode_sample(
         self,
@@ -677,11 +789,13 @@ class Agent:
         )
         return encode_envelope(header, image, self._limits)
 
-    def _remember(self, result: FrameResult) -> None:
+    def _remember_all(self, results: list[FrameResult]) -> None:
+        answers = [(r.sample_id, r.as_dict()) for r in results]
+        kept = self.settings.results_kept
         with self._results_lock:
-            entry = self._results.setdefault(result.sample_id, {})
-            entry["result"] = result.as_dict()
-            while len(self._results) > self.settings.results_kept:
+            for sample_id, answer in answers:
+                self._results.setdefault(sample_id, {})["result"] = answer
+            while len(self._results) > kept:
                 self._results.popitem(last=False)
 
     def sample(self, sample_id: str) -> dict[str, Any] | None:

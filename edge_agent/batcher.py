@@ -1,15 +1,20 @@
-"""Micro-batching across sources: one inference thread, each request on its own future.
+"""Micro-batching across sources: one inference thread, answers handed over a batch at once.
 
 A batch closes when it holds ``max_batch`` frames or when ``max_wait_s`` has passed
 since its first frame arrived, whichever comes first. A lone frame on an idle agent
 waits at most ``max_wait_s``; under load the batch fills before the wait ends.
 The engine is read once per batch, so ``swap_engine`` takes effect between batches
 and no frame is answered by a half-swapped model.
+
+Two ways in: ``submit`` gives each frame its own future (simple callers, tests);
+``submit_job`` queues a frame with an opaque job, and every batch's jobs reach the
+``on_batch`` handler together as one ``JobBatch``, so the agent routes and answers
+a batch with one hand-over instead of a future, a callback and a thread wake-up
+per frame.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -24,7 +29,7 @@ import numpy as np
 from edge_agent.engine import Engine
 from shared.errors import EdgeLoopError, ModelError
 
-__all__ = ["BatchResult", "MicroBatcher", "WorkerPool"]
+__all__ = ["BatchHandler", "BatchResult", "JobBatch", "MicroBatcher", "WorkerPool"]
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +45,117 @@ class BatchResult:
         self.batch_size = batch_size
 
 
-_Item = tuple[np.ndarray, "Future[BatchResult]"]
+class JobBatch:
+    """The jobs of one inference batch, with their score rows or the error that failed them.
+
+    ``scores[i]`` belongs to ``jobs[i]``; ``size`` counts every frame of the batch
+    (``submit`` futures included). On failure ``scores`` is None and ``error`` says why.
+    """
+
+    __slots__ = ("engine", "error", "jobs", "scores", "size")
+
+    def __init__(
+        self,
+        jobs: list[Any],
+        scores: np.ndarray | None,
+        engine: Engine,
+        size: int,
+        error: BaseException | None = None,
+    ) -> None:
+        self.jobs = jobs
+        self.scores = scores
+        self.engine = engine
+        self.size = size
+        self.error = error
+
+
+BatchHandler = Callable[[JobBatch], None]
+_Item = tuple[np.ndarray, Any]  # (frame, Future[BatchResult] or a job for on_batch)
+
+
+class _FrameQueue:
+    """Frames waiting for inference; wakes the inference thread twice a batch at most.
+
+    A producer wakes the consumer only for what it waits for: the first frame of a
+    batch, then a full batch (or its deadline passes), not every frame as a queue
+    would; each wake-up is a system call made while holding the GIL.
+    """
+
+    def __init__(self, max_items: int) -> None:
+        self.max_items = max_items
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._items: list[_Item] = []
+        self._wanted = 0  # how many frames the waiting consumer needs; 0: not waiting
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, item: _Item, block: bool, timeout: float) -> None:
+        """Queue ``item``; while ``max_items`` wait, wait for room (or raise queue.Full).
+
+        Raises ModelError once closed, so no frame is queued after the last drain.
+        """
+        if len(self._items) >= self.max_items:
+            self._wait_for_room(block, timeout)
+        with self._lock:
+            if self._closed:  # stopped meanwhile: nobody would answer it
+                raise ModelError("the agent is stopping")
+            items = self._items
+            items.append(item)
+            if self._wanted and len(items) >= self._wanted:
+                self._wanted = 0
+                self._ready.notify()
+
+    def _wait_for_room(self, block: bool, timeout: float) -> None:
+        # Only when inference has fallen far behind: polling is cheap enough here.
+        deadline = time.monotonic() + timeout
+        while len(self._items) >= self.max_items:
+            if not block or time.monotonic() >= deadline:
+                raise queue.Full
+            time.sleep(0.001)
+
+    def next_batch(self, max_batch: int, max_wait_s: float, idle_s: float = 0.5) -> list[_Item]:
+        """Up to ``max_batch`` frames: waits for a first one (``idle_s`` at most), then
+        ``max_wait_s`` at most for the batch to fill. Empty when idle or closed."""
+        with self._lock:
+            if not self._items and not self._closed:
+                self._wanted = 1
+                self._ready.wait(idle_s)
+            if not self._items or self._closed:
+                self._wanted = 0
+                return []
+            deadline = time.monotonic() + max_wait_s
+            while len(self._items) < max_batch and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._wanted = max_batch
+                self._ready.wait(remaining)
+            self._wanted = 0
+            batch = self._items[:max_batch]
+            del self._items[:max_batch]
+            return batch
+
+    def close(self) -> None:
+        """Wake the consumer for good; what is queued stays for ``take_all``."""
+        with self._lock:
+            self._closed = True
+            self._ready.notify_all()
+
+    def take_all(self) -> list[_Item]:
+        with self._lock:
+            items, self._items = self._items, []
+            return items
 
 
 class MicroBatcher:
-    """``with MicroBatcher(engine, max_batch=8, max_wait_s=0.005) as b: b.submit(frame)``."""
+    """``with MicroBatcher(engine, max_batch=8, max_wait_s=0.005) as b: b.submit(frame)``.
+
+    ``on_batch`` receives the jobs queued with ``submit_job``, one call per batch,
+    on the inference thread: it should hand them over, not do the work itself.
+    """
 
     def __init__(
         self,
@@ -53,15 +164,17 @@ class MicroBatcher:
         max_batch: int = 8,
         max_wait_s: float = 0.005,
         max_queue: int = 1024,
+        on_batch: BatchHandler | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self._engine = engine
+        self._on_batch = on_batch
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
         # Bounded: a source that outruns inference is told so (queue.Full) instead of
         # growing memory; cameras keep only their newest frame anyway.
-        self._queue: queue.Queue[_Item | None] = queue.Queue(max_queue)
+        self._queue = _FrameQueue(max_queue)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.batches = 0
@@ -82,18 +195,13 @@ class MicroBatcher:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping.set()
-        with contextlib.suppress(queue.Full):
-            self._queue.put_nowait(None)  # wake the loop
+        self._queue.close()  # wakes the loop
         if self._thread is not None:
             self._thread.join(timeout)
         # Anything still queued is answered, not left hanging.
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None and not item[1].done():
-                item[1].set_exception(ModelError("the agent is stopping"))
+        left = self._queue.take_all()
+        if left:
+            self._fail(left, ModelError("the agent is stopping"))
 
     def __enter__(self) -> MicroBatcher:
         return self.start()
@@ -113,60 +221,83 @@ class MicroBatcher:
         if self._stopping.is_set():
             raise ModelError("the agent is stopping")
         future: Future[BatchResult] = Future()
-        self._queue.put((frame, future), block=block, timeout=timeout)
+        self._queue.put((frame, future), block, timeout)
         return future
+
+    def submit_job(
+        self, frame: np.ndarray, job: Any, *, block: bool = True, timeout: float = 5.0
+    ) -> None:
+        """Queue one uint8 [H, W, 3] frame; ``job`` reaches ``on_batch`` with its scores.
+
+        Raises ModelError once stopping and queue.Full when the queue stays full.
+        """
+        if self._on_batch is None:
+            raise ValueError("submit_job needs a MicroBatcher made with on_batch")
+        if self._stopping.is_set():
+            raise ModelError("the agent is stopping")
+        self._queue.put((frame, job), block, timeout)
 
     @property
     def pending(self) -> int:
-        return self._queue.qsize()
-
-    def _collect(self, first: _Item) -> list[_Item]:
-        batch = [first]
-        deadline = time.monotonic() + self.max_wait_s
-        while len(batch) < self.max_batch:
-            remaining = deadline - time.monotonic()
-            try:
-                item = (
-                    self._queue.get_nowait()
-                    if remaining <= 0
-                    else self._queue.get(timeout=remaining)
-                )
-            except queue.Empty:
-                break
-            if item is None:
-                self._stopping.set()
-                break
-            batch.append(item)
-        return batch
+        return len(self._queue)
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
-            try:
-                first = self._queue.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if first is None:
-                break
-            batch = self._collect(first)
-            live = [(f, fut) for f, fut in batch if fut.set_running_or_notify_cancel()]
-            if not live:
-                continue
-            engine = self._engine
-            try:
-                scores = engine.run(np.stack([f for f, _ in live]))
-            except EdgeLoopError as exc:
-                for _, fut in live:
-                    fut.set_exception(exc)
-                continue
-            except Exception as exc:  # a bug in an engine must not kill the loop
-                log.exception("inference failed")
-                for _, fut in live:
-                    fut.set_exception(ModelError(f"inference failed: {exc}"))
-                continue
-            self.batches += 1
-            self.frames += len(live)
-            for row, (_, fut) in zip(scores, live, strict=True):
-                fut.set_result(BatchResult(row, engine, len(live)))
+            batch = self._queue.next_batch(self.max_batch, self.max_wait_s)
+            if batch:
+                self._run(batch)
+
+    def _run(self, batch: list[_Item]) -> None:
+        """Infer one batch and deliver its rows: to each future, and the jobs in one call."""
+        live = [
+            item
+            for item in batch
+            if not isinstance(item[1], Future) or item[1].set_running_or_notify_cancel()
+        ]
+        if not live:
+            return
+        engine = self._engine
+        try:
+            scores = engine.run(np.stack([f for f, _ in live]))
+        except EdgeLoopError as exc:
+            self._fail(live, exc, engine)
+            return
+        except Exception as exc:  # a bug in an engine must not kill the loop
+            log.exception("inference failed")
+            self._fail(live, ModelError(f"inference failed: {exc}"), engine)
+            return
+        self.batches += 1
+        self.frames += len(live)
+        size = len(live)
+        jobs: list[Any] = []
+        rows: list[int] = []
+        for i, (_, target) in enumerate(live):
+            if isinstance(target, Future):
+                target.set_result(BatchResult(scores[i], engine, size))
+            else:
+                jobs.append(target)
+                rows.append(i)
+        if jobs:
+            job_scores = scores if len(rows) == size else scores[rows]
+            self._deliver(JobBatch(jobs, job_scores, engine, size))
+
+    def _fail(self, items: list[_Item], error: BaseException, engine: Engine | None = None) -> None:
+        jobs = []
+        for _, target in items:
+            if isinstance(target, Future):
+                if not target.done():
+                    target.set_exception(error)
+            else:
+                jobs.append(target)
+        if jobs:
+            self._deliver(JobBatch(jobs, None, engine or self._engine, len(items), error))
+
+    def _deliver(self, batch: JobBatch) -> None:
+        assert self._on_batch is not None  # submit_job refuses jobs without a handler
+        try:
+            self._on_batch(batch)
+        except Exception:  # the handler answers its own jobs; the loop must go on
+            log.exception("the batch handler failed")
 
 
 class WorkerPool:

@@ -4,6 +4,7 @@ Pure and clock-injected, so each rule is tested without threads or a broker:
 
     router = Router(RoutingPolicy(max_prob_below=0.6, audit_share=0.01), clock=time.monotonic)
     decision = router.decide(scores)   # Decision(forward, reason, priority, ...)
+    decisions = router.decide_batch(batch_scores)   # one per row, as decide would in order
 
 Strategies run in the order of ``RoutingPolicy.order``; the first that fires names
 the reason. A confident frame is forwarded as an audit sample with probability
@@ -25,7 +26,15 @@ from typing import Literal
 
 import numpy as np
 
-__all__ = ["Budget", "Decision", "Router", "RoutingPolicy", "Strategy", "uncertainty"]
+__all__ = [
+    "Budget",
+    "Decision",
+    "Router",
+    "RoutingPolicy",
+    "Strategy",
+    "uncertainties",
+    "uncertainty",
+]
 
 Strategy = Literal["low_confidence", "margin", "entropy", "class_threshold"]
 DEFAULT_ORDER: tuple[Strategy, ...] = ("low_confidence", "margin", "entropy", "class_threshold")
@@ -96,6 +105,21 @@ def uncertainty(scores: np.ndarray) -> tuple[int, float, float, float]:
     return predicted, top, top - second, entropy
 
 
+def uncertainties(
+    scores: np.ndarray,
+) -> tuple[list[int], list[float], list[float], list[float]]:
+    """``uncertainty`` for each row of a [N, classes] batch, computed for the batch at once."""
+    p = np.asarray(scores, dtype=np.float64)
+    if p.ndim != 2:
+        raise ValueError(f"expected a [N, classes] batch of scores, got shape {p.shape}")
+    predicted = p.argmax(axis=1)
+    ordered = np.sort(p, axis=1)  # a few classes: cheaper than partition, same values
+    top = ordered[:, -1]
+    second = ordered[:, -2] if p.shape[1] > 1 else np.zeros(len(p))
+    entropy = -(p * np.log(np.minimum(np.maximum(p, 1e-12), 1.0))).sum(axis=1)
+    return predicted.tolist(), top.tolist(), (top - second).tolist(), entropy.tolist()
+
+
 def _priority(confidence: float, classes: int) -> int:
     """0 (least sure: near-uniform scores) .. 8 (nearly confident)."""
     floor = 1.0 / max(classes, 1)
@@ -147,13 +171,27 @@ class Router:
         raise ValueError(f"unknown routing strategy {strategy!r}")
 
     def decide(self, scores: np.ndarray) -> Decision:
+        """The decision for one probability row (budgets and the audit draw advance)."""
         predicted, top, margin, ent = uncertainty(scores)
+        return self._decide(predicted, top, margin, ent, len(scores))
+
+    def decide_batch(self, scores: np.ndarray) -> list[Decision]:
+        """``decide`` for each row of a [N, classes] batch, in row order, in one numpy pass."""
+        classes = int(np.shape(scores)[1])
+        return [
+            self._decide(predicted, top, margin, ent, classes)
+            for predicted, top, margin, ent in zip(*uncertainties(scores), strict=True)
+        ]
+
+    def _decide(
+        self, predicted: int, top: float, margin: float, ent: float, classes: int
+    ) -> Decision:
         reason: str | None = None
         for strategy in self.policy.order:
             if self._fires(strategy, predicted, top, margin, ent):
                 reason = strategy
                 break
-        priority = _priority(top, len(scores))
+        priority = _priority(top, classes)
         # Drawn for every confident frame, independent of its scores: an unbiased audit.
         if reason is None and self._rng.random() < self.policy.audit_share:
             reason, priority = "audit", AUDIT_PRIORITY

@@ -11,6 +11,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -100,19 +101,49 @@ class Telemetry:
         self.dropped_total = 0
         self._process = psutil.Process()
         self._process.cpu_percent(None)  # the first call only primes the counter
+        # Labelled children by label value: ``labels()`` takes a lock and builds a key
+        # on every call, and the answer path counts thousands of frames a second.
+        self._frames_by_source: dict[str, Any] = {}
+        self._forwarded_by_reason: dict[str, Any] = {}
 
     def record_frame(
         self, source: str, latency_s: float, forwarded: bool, reason: str | None
     ) -> None:
-        self.frames.labels(source).inc()
-        self.latency.observe(latency_s)
-        if forwarded and reason:
-            self.forwarded.labels(reason).inc()
+        self.record_frames([(source, latency_s, forwarded, reason)])
+
+    def record_frames(self, answers: Iterable[tuple[str, float, bool, str | None]]) -> None:
+        """Count answered frames, each as (source, latency seconds, forwarded, route reason)."""
+        now = self._clock()
+        per_source: dict[str, int] = {}
+        per_reason: dict[str, int] = {}
+        latencies: list[float] = []
+        events: list[tuple[float, bool]] = []
+        forwarded_count = 0
+        observe = self.latency.observe
+        for source, latency_s, forwarded, reason in answers:
+            per_source[source] = per_source.get(source, 0) + 1
+            if forwarded and reason:
+                per_reason[reason] = per_reason.get(reason, 0) + 1
+            forwarded_count += forwarded
+            observe(latency_s)
+            latencies.append(latency_s)
+            events.append((now, forwarded))
+        for source, count in per_source.items():
+            self._child(self.frames, self._frames_by_source, source).inc(count)
+        for reason, count in per_reason.items():
+            self._child(self.forwarded, self._forwarded_by_reason, reason).inc(count)
         with self._lock:
-            self._latencies.append(latency_s)
-            self._events.append((self._clock(), forwarded))
-            self.frames_total += 1
-            self.forwarded_total += int(forwarded)
+            self._latencies.extend(latencies)
+            self._events.extend(events)
+            self.frames_total += len(latencies)
+            self.forwarded_total += forwarded_count
+
+    @staticmethod
+    def _child(metric: Counter, cache: dict[str, Any], label: str) -> Any:
+        child = cache.get(label)
+        if child is None:
+            child = cache[label] = metric.labels(label)
+        return child
 
     def record_dropped(self, source: str, count: int = 1) -> None:
         self.dropped.labels(source).inc(count)

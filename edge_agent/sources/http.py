@@ -6,22 +6,22 @@ Routes stay thin: check the request, hand the bytes to the agent, shape the answ
 through FastAPI's middleware, routing and request objects: ``AgentApi`` reads the
 body itself, and one job on the decode pool checks, decodes (OpenCV,
 GIL released, so decoding overlaps inference) and queues the frame for the
-micro-batcher; the answer comes back to the event loop as ready-made JSON bytes,
-with one cross-thread wake-up per request. Multipart uploads and refusals of
-other content types go through the FastAPI route. Both share one rate limit:
-over it, a 429 with ``Retry-After``.
+micro-batcher; the answers come back to the event loop as ready-made JSON bytes,
+with one cross-thread wake-up for all the answers of a batch, and one timer for
+the timeouts of all waiting uploads. Multipart uploads and refusals of other
+content types go through the FastAPI route. Both share one rate limit: over it,
+a 429 with ``Retry-After``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import collections
 import json
 import math
 import queue
 import threading
 import time
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -70,6 +70,8 @@ class _Frames:
         self.max_fps = settings.http_max_fps
         self.limiter = RateLimiter(self.max_fps) if self.max_fps else None
         self.pool = WorkerPool(settings.http_decode_threads, name="http-decode")
+        self._outboxes: dict[asyncio.AbstractEventLoop, _Outbox] = {}
+        self._outboxes_lock = threading.Lock()
 
     def count_refusal(self, reason: str) -> None:
         self.agent.telemetry.bad_input.labels(SOURCE, reason).inc()
@@ -95,54 +97,120 @@ class _Frames:
         )
 
     def answer(self, body: bytes, loop: asyncio.AbstractEventLoop) -> asyncio.Future[bytes]:
-        """Decode and queue ``body``; the asyncio future resolves with the answer's JSON."""
+        """Decode and queue ``body``; the asyncio future resolves with the answer's JSON.
+
+        Called on ``loop``. The future raises TimeoutError after ``infer_timeout_s``.
+        """
         waiter: asyncio.Future[bytes] = loop.create_future()
-        self.pool.submit(self._decode_and_queue, body, loop, waiter)
+        outbox = self._outbox(loop)
+        outbox.watch(waiter, self.timeout_s)
+        self.pool.submit(self._decode_and_queue, body, outbox, waiter)
         return waiter
 
+    def _outbox(self, loop: asyncio.AbstractEventLoop) -> _Outbox:
+        outbox = self._outboxes.get(loop)
+        if outbox is None:
+            with self._outboxes_lock:  # one per event loop serving the app (usually one)
+                self._outboxes = {
+                    **{k: v for k, v in self._outboxes.items() if not k.is_closed()},
+                    loop: _Outbox(loop),
+                }
+                outbox = self._outboxes[loop]
+        return outbox
+
     def _decode_and_queue(
-        self, body: bytes, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[bytes]
+        self, body: bytes, outbox: _Outbox, waiter: asyncio.Future[bytes]
     ) -> None:
         # On a decode thread: decoding releases the GIL, so several run beside inference.
+        def reply(result: FrameResult | None, error: BaseException | None) -> None:
+            # On an agent thread, for a whole batch in a row: the JSON is made here, off
+            # the event loop, and the outbox wakes the loop once for the lot.
+            if error is None:
+                assert result is not None
+                try:
+                    outbox.put(waiter, json.dumps(result.as_dict()).encode(), None)
+                    return
+                except BaseException as exc:
+                    error = exc
+            outbox.put(waiter, None, error)
+
         try:
             frame = self.agent.decode_for_model(body)
-            future = self.agent.submit_frame(frame, source=SOURCE)
+            self.agent.answer_frame(frame, reply, source=SOURCE)
         except BaseException as exc:
-            _settle(loop, waiter, None, exc)
-            return
-
-        def done(finished: Future[FrameResult]) -> None:
-            try:
-                data = json.dumps(finished.result().as_dict()).encode()
-            except BaseException as exc:
-                _settle(loop, waiter, None, exc)
-            else:
-                _settle(loop, waiter, data, None)
-
-        future.add_done_callback(done)
+            outbox.put(waiter, None, exc)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
 
 
-def _settle(
-    loop: asyncio.AbstractEventLoop,
-    waiter: asyncio.Future[bytes],
-    data: bytes | None,
-    error: BaseException | None,
-) -> None:
-    def apply() -> None:
-        if waiter.done():  # timed out meanwhile
-            return
-        if error is not None:
-            waiter.set_exception(error)
-        else:
-            assert data is not None
-            waiter.set_result(data)
+class _Outbox:
+    """Answers on their way back to one event loop: one wake-up for all that gather.
 
-    # RuntimeError: the server's loop is closed, so nobody is waiting any more.
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(apply)
+    Agent threads ``put`` answers; the first one into an empty outbox schedules a
+    drain on the loop, and the others of the same batch ride along with it.
+
+    It also times the waiters out: the timeout is the same for every upload, so the
+    deadlines come in order, and one timer for the oldest waiter replaces a timer
+    (scheduled, then cancelled) per request.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Future[bytes], bytes | None, BaseException | None]] = []
+        self._deadlines: collections.deque[tuple[float, asyncio.Future[bytes]]] = (
+            collections.deque()
+        )
+        self._timer: asyncio.TimerHandle | None = None
+
+    def watch(self, waiter: asyncio.Future[bytes], timeout_s: float) -> None:
+        """On the loop: fail ``waiter`` with TimeoutError unless answered within ``timeout_s``."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][1].done():  # answered: forget them (and their bytes)
+            deadlines.popleft()
+        deadline = self.loop.time() + timeout_s
+        if deadlines and deadline < deadlines[-1][0]:
+            deadline = deadlines[-1][0]  # the clock is monotonic; keep the order anyway
+        deadlines.append((deadline, waiter))
+        if self._timer is None:
+            self._timer = self.loop.call_at(deadline, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        deadlines = self._deadlines
+        now = self.loop.time()
+        while deadlines and (deadlines[0][1].done() or deadlines[0][0] <= now):
+            _, waiter = deadlines.popleft()
+            if not waiter.done():
+                waiter.set_exception(TimeoutError("no answer in time"))
+        if deadlines:
+            self._timer = self.loop.call_at(deadlines[0][0], self._expire)
+
+    def put(
+        self, waiter: asyncio.Future[bytes], data: bytes | None, error: BaseException | None
+    ) -> None:
+        """Resolve ``waiter`` on its loop with ``data`` (or raise ``error`` there)."""
+        with self._lock:
+            self._items.append((waiter, data, error))
+            if len(self._items) > 1:
+                return  # a drain is already scheduled
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the server's loop is closed, so nobody is waiting any more
+            with self._lock:
+                self._items.clear()
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for waiter, data, error in items:
+            if waiter.done():  # timed out meanwhile
+                continue
+            if error is not None:
+                waiter.set_exception(error)
+            else:
+                waiter.set_result(data)  # type: ignore[arg-type]
 
 
 def _failure(exc: BaseException) -> tuple[int, dict[str, str]]:
@@ -216,8 +284,7 @@ async def _post_frame(
             break
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     try:
-        async with asyncio.timeout(frames.timeout_s):
-            data = await frames.answer(body, asyncio.get_running_loop())
+        data = await frames.answer(body, asyncio.get_running_loop())
     except Exception as exc:
         status, refusal = _failure(exc)
         if isinstance(exc, ImageRejected):
@@ -281,8 +348,7 @@ def create_app(agent: Agent) -> AgentApi:
         else:
             body = await request.body()
         try:
-            async with asyncio.timeout(frames.timeout_s):
-                data = await frames.answer(body, asyncio.get_running_loop())
+            data = await frames.answer(body, asyncio.get_running_loop())
         except Exception as exc:
             status, refusal = _failure(exc)
             if isinstance(exc, ImageRejected):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from edge_agent.batcher import MicroBatcher
+from edge_agent.batcher import JobBatch, MicroBatcher
 from shared.errors import ModelError
 
 
@@ -104,3 +105,79 @@ def test_submit_after_stop_is_refused() -> None:
     batcher.stop()
     with pytest.raises(ModelError, match="stopping"):
         batcher.submit(frame(0))
+
+
+class _Jobs:
+    """An on_batch handler that records what each call delivered."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[object], list[float] | None, int, BaseException | None]] = []
+        self.done = threading.Event()
+        self.expected = 0
+
+    def __call__(self, batch: JobBatch) -> None:
+        firsts = None if batch.scores is None else [float(r[0]) for r in batch.scores]
+        self.calls.append((list(batch.jobs), firsts, batch.size, batch.error))
+        if sum(len(c[0]) for c in self.calls) >= self.expected:
+            self.done.set()
+
+
+def test_jobs_reach_the_handler_a_batch_at_a_time_with_their_own_rows() -> None:
+    jobs = _Jobs()
+    jobs.expected = 8
+    engine = RecordingEngine(delay=0.02)
+    with MicroBatcher(engine, max_batch=4, max_wait_s=0.05, on_batch=jobs) as batcher:
+        futures = [batcher.submit(frame(255))]
+        for v in range(8):
+            batcher.submit_job(frame(v * 10), f"job-{v}")
+        assert jobs.done.wait(5)
+        assert futures[0].result(5).scores[0] == pytest.approx(1.0)
+    assert len(jobs.calls) == len(engine.sizes) < 9  # one call per batch, not per frame
+    delivered = [job for call in jobs.calls for job in call[0]]
+    assert delivered == [f"job-{v}" for v in range(8)]
+    for call in jobs.calls:
+        names, firsts, size, error = call
+        assert error is None and size >= len(names)
+        assert firsts == pytest.approx([int(str(n)[4:]) * 10 / 255 for n in names])
+
+
+def test_a_failed_batch_and_a_stop_answer_every_job_with_the_error() -> None:
+    class Broken(RecordingEngine):
+        def run(self, frames: np.ndarray) -> np.ndarray:
+            raise ModelError("boom")
+
+    jobs = _Jobs()
+    jobs.expected = 2
+    with MicroBatcher(Broken(), max_batch=4, max_wait_s=0.01, on_batch=jobs) as batcher:
+        batcher.submit_job(frame(0), "a")
+        batcher.submit_job(frame(0), "b")
+        assert jobs.done.wait(5)
+    assert all(isinstance(c[3], ModelError) and c[1] is None for c in jobs.calls)
+
+    stopped = _Jobs()
+    stopped.expected = 3
+    batcher = MicroBatcher(RecordingEngine(), on_batch=stopped)  # never started
+    for name in "xyz":
+        batcher.submit_job(frame(0), name)
+    assert batcher.pending == 3
+    batcher.stop()
+    assert [c[0] for c in stopped.calls] == [["x", "y", "z"]]
+    assert "stopping" in str(stopped.calls[0][3])
+
+
+def test_a_full_queue_refuses_at_once_without_blocking() -> None:
+    batcher = MicroBatcher(RecordingEngine(), max_queue=2, on_batch=_Jobs())  # never started
+    batcher.submit_job(frame(0), "a")
+    batcher.submit(frame(0))
+    with pytest.raises(queue.Full):
+        batcher.submit_job(frame(0), "c", block=False)
+    started = time.monotonic()
+    with pytest.raises(queue.Full):
+        batcher.submit(frame(0), timeout=0.05)
+    assert time.monotonic() - started < 1.0
+    batcher.stop()
+
+
+def test_submit_job_needs_a_handler() -> None:
+    with MicroBatcher(RecordingEngine()) as batcher, pytest.raises(ValueError, match="on_batch"):
+        batcher.submit_job(frame(0), "job")

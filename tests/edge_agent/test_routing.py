@@ -126,3 +126,31 @@ def test_priority_follows_uncertainty() -> None:
     sure = r.decide(CONFIDENT).priority
     assert flat < close < sure <= 8
     assert flat == 0
+
+
+def test_decide_batch_decides_as_decide_does_row_by_row() -> None:
+    rng = np.random.default_rng(3)
+    scores = rng.dirichlet(np.ones(5) * 0.7, size=64).astype(np.float32)
+    policy = RoutingPolicy(
+        max_prob_below=0.5, margin_below=0.1, entropy_above=1.2, audit_share=0.3, per_minute=9
+    )
+    one = Router(policy, labels=list("abcde"), clock=lambda: 100.0, rng=random.Random(7))
+    many = Router(policy, labels=list("abcde"), clock=lambda: 100.0, rng=random.Random(7))
+    expected = [one.decide(row) for row in scores]
+    got = many.decide_batch(scores[:40]) + many.decide_batch(scores[40:])
+    assert [(d.forward, d.reason, d.priority, d.predicted, d.over_budget) for d in got] == [
+        (d.forward, d.reason, d.priority, d.predicted, d.over_budget) for d in expected
+    ]
+    for g, e in zip(got, expected, strict=True):
+        assert g.confidence == e.confidence
+        assert g.margin == pytest.approx(e.margin, abs=1e-12)
+        assert g.entropy == pytest.approx(e.entropy, abs=1e-12)
+    assert many.over_budget == one.over_budget > 0
+
+
+def test_uncertainties_matches_uncertainty_per_row_even_for_one_class() -> None:
+    from edge_agent.routing import uncertainties
+
+    for batch in (np.array([[1.0], [0.5]]), np.array([[0.1, 0.7, 0.2], [0.5, 0.5, 0.0]])):
+        rows = list(zip(*uncertainties(batch), strict=True))
+        assert rows == [pytest.approx(uncertainty(row)) for row in batch]

@@ -193,3 +193,82 @@ def test_worker_pool_runs_jobs_survives_failures_and_drains_on_shutdown() -> Non
     assert {name for _, name in done} <= {"test-pool-0", "test-pool-1"}
     with pytest.raises(RuntimeError):
         pool.submit(job, 99)
+
+
+class _SlowEngine:
+    """Delegates to the real engine after a pause: uploads outlive infer_timeout_s."""
+
+    def __init__(self, engine: object, delay: float) -> None:
+        self._engine = engine
+        self.delay = delay
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
+
+    def run(self, frames: np.ndarray) -> np.ndarray:
+        time.sleep(self.delay)
+        return self._engine.run(frames)  # type: ignore[attr-defined, no-any-return]
+
+
+def test_an_upload_with_no_answer_in_time_gets_503_and_later_ones_still_get_answers(
+    make_settings: Callable[..., AgentSettings], engine: object, make_image: Callable[..., bytes]
+) -> None:
+    settings = make_settings(infer_timeout_s=0.2)
+    slow = _SlowEngine(engine, delay=0.6)
+    headers = {"Content-Type": "image/jpeg"}
+    with (
+        Agent(settings, engine=slow, publisher=MemoryPublisher()) as agent,  # type: ignore[arg-type]
+        ApiServer(create_app(agent)) as server,
+        httpx.Client(base_url=server.url) as client,
+    ):
+        started = time.monotonic()
+        late = client.post("/v1/frames", content=make_image(), headers=headers)
+        waited = time.monotonic() - started
+        slow.delay = 0.0
+        time.sleep(0.6)  # the late frame's batch ends
+        ok = client.post("/v1/frames", content=make_image(), headers=headers)
+    assert late.status_code == 503
+    assert late.json()["reason"] == "timeout"
+    assert 0.15 < waited < 0.55  # answered at the timeout, not when inference ended
+    assert ok.status_code == 200, ok.text
+
+
+def test_answers_of_one_batch_wake_the_event_loop_once(
+    make_settings: Callable[..., AgentSettings], engine: object, make_image: Callable[..., bytes]
+) -> None:
+    import edge_agent.sources.http as http_source
+
+    drains = 0
+    drain = http_source._Outbox._drain
+
+    def counted(self: http_source._Outbox) -> None:
+        nonlocal drains
+        drains += 1
+        drain(self)
+
+    settings = make_settings(max_batch=8, max_wait_ms=200.0, route_max_prob_below=None)
+    headers = {"Content-Type": "image/jpeg"}
+    with (
+        Agent(settings, engine=engine, publisher=MemoryPublisher()) as agent,  # type: ignore[arg-type]
+        ApiServer(create_app(agent)) as server,
+        httpx.Client(base_url=server.url, limits=httpx.Limits(max_connections=8)) as client,
+    ):
+        http_source._Outbox._drain = counted  # type: ignore[method-assign]
+        try:
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                codes = list(
+                    pool.map(
+                        lambda i: (
+                            client.post(
+                                "/v1/frames", content=make_image(seed=i), headers=headers
+                            ).status_code
+                        ),
+                        range(8),
+                    )
+                )
+        finally:
+            http_source._Outbox._drain = drain  # type: ignore[method-assign]
+        batches = agent.batcher.batches
+    assert codes == [200] * 8
+    assert batches < 8  # the uploads shared batches
+    assert drains < 8  # and their answers shared wake-ups of the event loop
