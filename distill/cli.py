@@ -41,7 +41,7 @@ def demo(
         "blur:0.8", help="Drift injected after the clean phase (NAME:SEVERITY[,...])."
     ),
     threshold: float = typer.Option(
-        0.9, min=0.0, max=1.0, help="Forward frames whose student confidence is below this."
+        0.85, min=0.0, max=1.0, help="Forward frames whose student confidence is below this."
     ),
     out: Path | None = typer.Option(
         None, help="Folder for the plot and the HTML report (default: DATA_DIR/demo)."
@@ -75,7 +75,7 @@ def closed_loop(
     frames: int = typer.Option(400, min=50, max=100_000, help="Frames per phase per agent."),
     agents: int = typer.Option(3, min=1, max=32, help="Edge agents on the stream."),
     drift: str = typer.Option("blur:0.8", help="Drift injected after the clean phase."),
-    threshold: float = typer.Option(0.9, min=0.0, max=1.0, help="Student forwarding threshold."),
+    threshold: float = typer.Option(0.85, min=0.0, max=1.0, help="Student forwarding threshold."),
     max_samples: int = typer.Option(500, min=20, help="Teacher-labelled frames the round uses."),
     threads: int = typer.Option(2, min=1, max=64, help="Thread limit of the distill job."),
     plot: Path | None = typer.Option(None, help="Where to save the SVG plot."),

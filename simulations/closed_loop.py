@@ -536,7 +536,7 @@ def run_closed_loop(
     frames: int = 400,
     agents: int = 3,
     drift: str = "blur:0.8",
-    threshold: float = 0.9,
+    threshold: float = 0.85,
     max_samples: int = 500,
     threads: int = 2,
     plot: Path | None = None,
@@ -1166,7 +1166,7 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="distillation rounds")
     parser.add_argument("--drift", default="blur:0.8")
-    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--threshold", type=float, default=0.85)
     parser.add_argument("--threads", type=int, default=2, help="the job's thread limit")
     parser.add_argument("--plot", type=Path, default=Path("closed_loop.svg"))
     parser.add_argument("--report", type=Path, default=None, help="write an HTML report here")

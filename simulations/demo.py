@@ -30,7 +30,7 @@ def run_demo(
     frames: int = 300,
     agents: int = 3,
     drift: str = "blur:0.8",
-    threshold: float = 0.9,
+    threshold: float = 0.85,
     out_dir: Path | None = None,
     as_json: bool = False,
     console: Console | None = None,
