@@ -96,6 +96,7 @@ _PARAMS: dict[str, tuple[type | tuple[type, ...], float | None, float | None]] =
     "calibration_frames": (int, 16, 100_000),
     "calibrate_confidence": (bool, None, None),
     "shift_px": (int, 0, 16),
+    "candidates": (int, 1, 8),
 }
 _DELIVERY = ("promote", "canary", "none")
 

@@ -188,5 +188,7 @@ def test_bad_parameters_get_a_clear_error(sessions: sessionmaker[Session]) -> No
             jobs.enqueue(session=s, params={"epoch": 3})
         with pytest.raises(ContractError, match=r"'threads' must be in \[1, 256\]"):
             jobs.enqueue(session=s, params={"threads": 0})
+        with pytest.raises(ContractError, match=r"'candidates' must be in \[1, 8\]"):
+            jobs.enqueue(session=s, params={"candidates": 9})
         with pytest.raises(ContractError, match="delivery must be one of"):
             jobs.enqueue(session=s, params={"delivery": "ship-it"})

@@ -126,3 +126,19 @@ def test_random_shift_moves_frames_and_keeps_their_pixels() -> None:
             for dy in range(-4, 5)
             for dx in range(-4, 5)
         )
+
+
+def test_validation_nll_ranks_a_network_by_its_true_label_likelihood() -> None:
+    from distill.models import build_model
+    from distill.train import net_logits, validation_nll
+
+    torch.manual_seed(0)
+    net = build_model("student-cnn", 10)
+    frames = np.random.default_rng(2).integers(0, 255, (64, 64, 64, 3), dtype=np.uint8)
+    predicted = net_logits(net, frames).argmax(1).numpy()
+    own = validation_nll(net, frames, predicted)  # labels the net already favours
+    other = validation_nll(net, frames, (predicted + 1) % 10)
+    assert 0.0 < own < other
+    expected = F.cross_entropy(net_logits(net, frames), torch.as_tensor(predicted)).item()
+    assert own == pytest.approx(expected, rel=1e-6)
+    assert validation_nll(net, frames[:0], predicted[:0]) == 0.0
