@@ -81,6 +81,7 @@ _PARAMS: dict[str, tuple[type | tuple[type, ...], float | None, float | None]] =
     "val_share": ((int, float), 0.05, 0.5),
     "min_gain": ((int, float), -1.0, 1.0),
     "max_reference_drop": ((int, float), 0.0, 1.0),
+    "max_drift_drop": ((int, float), 0.0, 1.0),
     "int8_tolerance": ((int, float), 0.0, 1.0),
     "threads": (int, 1, 256),
     "wall_time_s": ((int, float), 1.0, 7 * 86400.0),

@@ -26,7 +26,8 @@
 5. **Evaluate** new FP32, new INT8 and the serving student on the recent holdout,
    the fixed reference test set, and the reference test set under each drift.
 6. **Gate**: INT8 beats serving on the recent holdout by at least ``min_gain``, falls
-   at most ``max_reference_drop`` on the reference set, and stays within
+   at most ``max_reference_drop`` on the reference set (and, with ``max_drift_drop``,
+   under each evaluated drift), and stays within
    ``int8_tolerance`` of its own FP32. A refused model is not registered; the job
    still succeeds, with the reasons in its metrics and log.
 7. **Register** the INT8 model (lineage: job, snapshot, parent version; the metrics),
@@ -92,6 +93,9 @@ class JobParams:
     val_share: float = 0.15
     min_gain: float = 0.0
     max_reference_drop: float = 0.02
+    # When set, the new INT8 may fall at most this much under each evaluated drift too
+    # (the reference set rendered with ``drift_eval``); unset, drifts are reported only.
+    max_drift_drop: float | None = None
     int8_tolerance: float = 0.02
     threads: int = 1
     wall_time_s: float = 3600.0
@@ -151,6 +155,7 @@ def gate(
     max_reference_drop: float,
     int8_tolerance: float,
     sizes: Mapping[str, int] | None = None,
+    max_drift_drop: float | None = None,
 ) -> GateDecision:
     """The release rule. ``evaluation[model][dataset]`` = accuracy; models new_fp32,
     new_int8, serving; datasets holdout and reference.
@@ -159,6 +164,10 @@ def gate(
     holdout of 80 frames, one frame that INT8 and FP32 answer differently is 1.25
     points, noise rather than evidence that quantization hurt; a gap larger than one
     frame's share still counts in full beyond that share.
+
+    ``max_drift_drop`` also holds the new INT8 to the serving student on every
+    ``drift:...`` dataset: a round that fits the recent frames but falls on unseen
+    scans under the very drift it answers is refused.
     """
     new, fp32, old = evaluation["new_int8"], evaluation["new_fp32"], evaluation["serving"]
     gain = new["holdout"] - old["holdout"]
@@ -178,6 +187,14 @@ def gate(
             f"falls on the reference set: {new['reference']:.3f} vs serving"
             f" {old['reference']:.3f} (at most {max_reference_drop:.3f} lower allowed)"
         )
+    drift_drops = {d: old[d] - new[d] for d in new if d.startswith("drift:") and d in old}
+    if max_drift_drop is not None:
+        for d, drop in drift_drops.items():
+            if drop > max_drift_drop:
+                reasons.append(
+                    f"falls under {d.removeprefix('drift:')}: {new[d]:.3f} vs serving"
+                    f" {old[d]:.3f} (at most {max_drift_drop:.3f} lower allowed)"
+                )
     if int8_gap > int8_tolerance:
         worst = max(gaps, key=lambda d: gaps[d])
         reasons.append(
@@ -194,6 +211,8 @@ def gate(
         "min_gain": min_gain,
         "max_reference_drop": max_reference_drop,
         "int8_tolerance": int8_tolerance,
+        "drift_drop": {d: round(v, 4) for d, v in drift_drops.items()},
+        "max_drift_drop": max_drift_drop,
     }
     return GateDecision(passed=not reasons, reasons=tuple(reasons), checks=checks)
 
@@ -634,6 +653,7 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
         max_reference_drop=p.max_reference_drop,
         int8_tolerance=p.int8_tolerance,
         sizes={"holdout": len(holdout), "reference": len(ref_test)},
+        max_drift_drop=p.max_drift_drop,
     )
     metrics: dict[str, Any] = {
         "dataset": counts,

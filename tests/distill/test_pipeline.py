@@ -304,3 +304,21 @@ def test_too_few_samples_fails_clearly(setup: dict[str, Any]) -> None:
     with sessions() as s:
         job = jobs.get_job(session=s, job_id=job_id)
         assert job.state == "failed" and "only 179 verified samples" in (job.error or "")
+
+
+def test_the_gate_can_hold_a_round_to_the_serving_student_under_drift() -> None:
+    evaluation = {
+        "new_fp32": {"holdout": 0.93, "reference": 0.965, "drift:blur:0.8": 0.925},
+        "new_int8": {"holdout": 0.93, "reference": 0.965, "drift:blur:0.8": 0.925},
+        "serving": {"holdout": 0.84, "reference": 0.968, "drift:blur:0.8": 0.95},
+    }
+    knobs = {"min_gain": 0.0, "max_reference_drop": 0.02, "int8_tolerance": 0.02}
+    # Reported, not checked, unless asked for.
+    lenient = gate(evaluation, **knobs)
+    assert lenient.passed and lenient.checks["drift_drop"] == {"drift:blur:0.8": 0.025}
+    strict = gate(evaluation, max_drift_drop=0.02, **knobs)
+    assert not strict.passed
+    assert strict.reasons == (
+        "falls under blur:0.8: 0.925 vs serving 0.950 (at most 0.020 lower allowed)",
+    )
+    assert gate(evaluation, max_drift_drop=0.03, **knobs).passed
