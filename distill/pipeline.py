@@ -400,6 +400,7 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
     from distill.scenario import ScenarioConfig, render_split
     from distill.train import (
         TrainConfig,
+        TrainResult,
         fit_temperature,
         fold_temperature,
         random_shift,
@@ -539,7 +540,7 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
         raise ModelError("no serving student weights to warm-start from (base_checkpoint)")
     base = load_checkpoint(base_path)
     version = f"d{ctx.job_id}.{ctx.attempt}"
-    candidates: list[tuple[float, Any]] = []
+    candidates: list[tuple[float, TrainResult]] = []
     for c in range(p.candidates):
         cfg = TrainConfig.for_role(
             "student",
@@ -581,6 +582,7 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
     val_nll, result = min(candidates, key=lambda pair: pair[0])
     result.metrics["val_nll"] = round(val_nll, 5)
     result.metrics["candidates_val_nll"] = [round(n, 5) for n, _ in candidates]
+    result.metrics["seed"] = result.config.seed
     ctx.log(
         f"trained from {base_path.name} ({base.meta.version}): best epoch"
         f" {result.metrics['best_epoch']} of {len(result.history)},"
@@ -688,15 +690,16 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
     if services.signing_key is None:
         raise ModelError("the worker has no fleet signing key; cannot register")
     ckpt = work / "student.pt"
+    chosen = result.config  # the winning candidate's (its seed is in the lineage)
     meta = ModelMeta(
-        arch=cfg.arch,
+        arch=chosen.arch,
         num_classes=n_cls,
         class_names=classes,
         frame_size=size,
-        width=cfg.width,
+        width=chosen.width,
         name=p.model_name,
         version=version,
-        train_config=cfg.cache_fields(),
+        train_config=chosen.cache_fields(),
     )
     save_checkpoint(ckpt, result.net, meta)
     services.blobs.put(_checkpoint_key(ctx.job_id), ckpt.read_bytes())

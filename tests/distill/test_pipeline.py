@@ -280,6 +280,24 @@ def test_a_quick_job_end_to_end_registers_and_delivers(setup: dict[str, Any]) ->
     assert setup["announcer"].retained[topic] == record.announcement
 
 
+def test_a_job_with_candidates_keeps_the_lowest_validation_nll(setup: dict[str, Any]) -> None:
+    sessions = setup["sessions"]
+    params = {**QUICK_PARAMS, "candidates": 2, "delivery": "none"}
+    with sessions.begin() as s:
+        job_id = jobs.enqueue(session=s, params=params, reason="test").id
+    worker = DistillWorker(sessions, runner=make_runner(setup["services"]), lease_s=10)
+    assert worker.run_once() == job_id
+    with sessions() as s:
+        job = jobs.get_job(session=s, job_id=job_id)
+        assert job.state == "succeeded", job.error
+        train = job.metrics["train"]
+        nlls = train["candidates_val_nll"]
+        assert len(nlls) == 2 and train["val_nll"] == min(nlls)
+        assert train["seed"] == QUICK_PARAMS.get("seed", 0) + nlls.index(min(nlls))
+        logs = "\n".join(line.message for line in jobs.read_logs(session=s, job_id=job_id))
+    assert "candidate 1/2" in logs and "candidate 2/2" in logs
+
+
 def test_the_gate_refuses_and_nothing_is_registered(setup: dict[str, Any]) -> None:
     sessions = setup["sessions"]
     params = {**QUICK_PARAMS, "epochs": 1, "min_gain": 0.9}  # a gain no model can show
