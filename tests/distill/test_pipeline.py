@@ -243,12 +243,19 @@ QUICK_PARAMS = {
 }
 
 
-def test_a_quick_job_end_to_end_registers_and_delivers(setup: dict[str, Any]) -> None:
+def _run_job(setup: dict[str, Any], params: dict[str, Any]) -> int:
+    """Queue a job with ``params`` and let one worker run it; its id."""
     sessions = setup["sessions"]
     with sessions.begin() as s:
-        job_id = jobs.enqueue(session=s, params=QUICK_PARAMS, reason="test").id
+        job_id = jobs.enqueue(session=s, params=params, reason="test").id
     worker = DistillWorker(sessions, runner=make_runner(setup["services"]), lease_s=10)
     assert worker.run_once() == job_id
+    return int(job_id)
+
+
+def test_a_quick_job_end_to_end_registers_and_delivers(setup: dict[str, Any]) -> None:
+    sessions = setup["sessions"]
+    job_id = _run_job(setup, QUICK_PARAMS)
     with sessions() as s:
         job = jobs.get_job(session=s, job_id=job_id)
         assert job.state == "succeeded", job.error
@@ -282,11 +289,7 @@ def test_a_quick_job_end_to_end_registers_and_delivers(setup: dict[str, Any]) ->
 
 def test_a_job_with_candidates_keeps_the_lowest_validation_nll(setup: dict[str, Any]) -> None:
     sessions = setup["sessions"]
-    params = {**QUICK_PARAMS, "candidates": 2, "delivery": "none"}
-    with sessions.begin() as s:
-        job_id = jobs.enqueue(session=s, params=params, reason="test").id
-    worker = DistillWorker(sessions, runner=make_runner(setup["services"]), lease_s=10)
-    assert worker.run_once() == job_id
+    job_id = _run_job(setup, {**QUICK_PARAMS, "candidates": 2, "delivery": "none"})
     with sessions() as s:
         job = jobs.get_job(session=s, job_id=job_id)
         assert job.state == "succeeded", job.error
@@ -300,10 +303,8 @@ def test_a_job_with_candidates_keeps_the_lowest_validation_nll(setup: dict[str, 
 
 def test_the_gate_refuses_and_nothing_is_registered(setup: dict[str, Any]) -> None:
     sessions = setup["sessions"]
-    params = {**QUICK_PARAMS, "epochs": 1, "min_gain": 0.9}  # a gain no model can show
-    with sessions.begin() as s:
-        job_id = jobs.enqueue(session=s, params=params).id
-    DistillWorker(sessions, runner=make_runner(setup["services"])).run_once()
+    # A gain no model can show.
+    job_id = _run_job(setup, {**QUICK_PARAMS, "epochs": 1, "min_gain": 0.9})
     with sessions() as s:
         job = jobs.get_job(session=s, job_id=job_id)
         assert job.state == "succeeded" and job.result_version is None
@@ -317,9 +318,7 @@ def test_the_gate_refuses_and_nothing_is_registered(setup: dict[str, Any]) -> No
 
 def test_too_few_samples_fails_clearly(setup: dict[str, Any]) -> None:
     sessions = setup["sessions"]
-    with sessions.begin() as s:
-        job_id = jobs.enqueue(session=s, params={**QUICK_PARAMS, "min_samples": 5000}).id
-    DistillWorker(sessions, runner=make_runner(setup["services"])).run_once()
+    job_id = _run_job(setup, {**QUICK_PARAMS, "min_samples": 5000})
     with sessions() as s:
         job = jobs.get_job(session=s, job_id=job_id)
         assert job.state == "failed" and "only 179 verified samples" in (job.error or "")
