@@ -6,8 +6,10 @@
 1. **Snapshot**: the verified samples (teacher verdict; a human label overrides the
    teacher's), newest first, split by time: the newest ``holdout_share`` is the
    *recent holdout* the gate judges on, a seeded ``val_share`` of the rest is for
-   early stopping, the remainder trains. The ids are stored (``dataset_snapshots``),
-   so a model version can be traced to the exact samples it saw.
+   early stopping, the remainder trains. Identical frames (a static camera sends the
+   same picture again) count once and stay on one side of the split. The ids are
+   stored (``dataset_snapshots``), so a model version can be traced to the exact
+   samples it saw.
 2. **Dataset**: verified frames, class-balanced by oversampling, with the teacher's
    probabilities as soft targets (one-hot-ish where a human overrode the teacher),
    plus a *replay* share of the reference training set scored by the teacher, so
@@ -289,17 +291,45 @@ def _verified_rows(session: Session, fleet: str, limit: int) -> list[_Row]:
     ]
 
 
-def _split(rows: list[_Row], p: JobParams) -> tuple[list[_Row], list[_Row], list[_Row]]:
-    """(train, val, holdout): the newest share is the holdout; val by a stable hash."""
-    n_hold = max(1, round(len(rows) * p.holdout_share))
-    holdout, rest = rows[:n_hold], rows[n_hold:]
+@dataclass(frozen=True)
+class _Frame:
+    """One distinct picture among the verified samples. A static camera sends the same
+    frame again; its copies count once and stay on one side of every split, or the
+    holdout the gate judges on would hold frames the new student trained on."""
 
-    def in_val(r: _Row) -> bool:
-        h = hashlib.sha256(f"{p.seed}/{r.sample_id}".encode()).digest()
+    row: _Row  # the newest copy, with the newest human label of any copy
+    sample_ids: tuple[str, ...]
+    pixels: np.ndarray
+    key: str
+
+
+def _distinct(rows: Sequence[_Row], pixels: np.ndarray) -> list[_Frame]:
+    """Rows (newest first) grouped by identical decoded pixels, newest group first."""
+    groups: dict[str, list[int]] = {}
+    for i in range(len(rows)):
+        groups.setdefault(hashlib.sha256(pixels[i].tobytes()).hexdigest(), []).append(i)
+    out = []
+    for key, members in groups.items():
+        copies = [rows[i] for i in members]
+        newest, human = copies[0], next((r for r in copies if r.human), None)
+        if human is not None and not newest.human:
+            newest = _Row(**{**asdict(newest), "label": human.label, "human": True})
+        ids = tuple(r.sample_id for r in copies)
+        out.append(_Frame(newest, ids, pixels[members[0]], key))
+    return out
+
+
+def _split(frames: list[_Frame], p: JobParams) -> tuple[list[_Frame], list[_Frame], list[_Frame]]:
+    """(train, val, holdout): the newest share is the holdout; val by a stable hash."""
+    n_hold = max(1, round(len(frames) * p.holdout_share))
+    holdout, rest = frames[:n_hold], frames[n_hold:]
+
+    def in_val(f: _Frame) -> bool:
+        h = hashlib.sha256(f"{p.seed}/{f.key}".encode()).digest()
         return int.from_bytes(h[:4], "big") / 2**32 < p.val_share
 
-    val = [r for r in rest if in_val(r)]
-    train = [r for r in rest if not in_val(r)]
+    val = [f for f in rest if in_val(f)]
+    train = [f for f in rest if not in_val(f)]
     return train, val, holdout
 
 
@@ -446,21 +476,33 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
             f"only {len(rows)} verified samples for fleet {p.fleet!r}; the job needs"
             f" at least {p.min_samples} (min_samples)"
         )
-    train_rows, val_rows, hold_rows = _split(rows, p)
+    size = scenario.frame_size
+    pixels = np.empty((len(rows), size, size, 3), dtype=np.uint8)
+    for i, r in enumerate(rows):
+        pixels[i] = _decode(services.blobs.get(r.image_key), size)
+        if i % 64 == 0:
+            ctx.check()
+    distinct = _distinct(rows, pixels)
+    train_frames, val_frames, hold_frames = _split(distinct, p)
     counts = {
         "verified": len(rows),
-        "train": len(train_rows),
-        "val": len(val_rows),
-        "holdout": len(hold_rows),
+        "distinct": len(distinct),
+        "train": len(train_frames),
+        "val": len(val_frames),
+        "holdout": len(hold_frames),
         "human_labels": sum(r.human for r in rows),
         "overridden": sum(r.human and r.label != r.teacher_label for r in rows),
     }
+
+    def ids(part: Sequence[_Frame]) -> list[str]:
+        return [sid for f in part for sid in f.sample_ids]
+
     with services.sessions() as session, session.begin():
         snap = DatasetSnapshot(
             job_id=ctx.job_id,
-            train_ids=[r.sample_id for r in train_rows],
-            val_ids=[r.sample_id for r in val_rows],
-            holdout_ids=[r.sample_id for r in hold_rows],
+            train_ids=ids(train_frames),
+            val_ids=ids(val_frames),
+            holdout_ids=ids(hold_frames),
             counts=counts,
         )
         session.add(snap)
@@ -471,24 +513,19 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
 
     # -- dataset -------------------------------------------------------------------
     progress("dataset", 3)
-    size = scenario.frame_size
 
-    def load(rows_: Sequence[_Row]) -> np.ndarray:
-        out = np.empty((len(rows_), size, size, 3), dtype=np.uint8)
-        for i, r in enumerate(rows_):
-            out[i] = _decode(services.blobs.get(r.image_key), size)
-            if i % 64 == 0:
-                ctx.check()
-        return out
+    def load(part: Sequence[_Frame]) -> tuple[np.ndarray, np.ndarray]:
+        x = np.stack([f.pixels for f in part]) if part else np.empty((0, size, size, 3), np.uint8)
+        return x, np.array([f.row.label for f in part], dtype=np.int64)
 
     ref_train = render_split("train", scenario)
     classes = ref_train.class_names
     n_cls = len(classes)
-    x_ver, y_ver = load(train_rows), np.array([r.label for r in train_rows], dtype=np.int64)
-    s_ver = _soft(train_rows, n_cls)
+    x_ver, y_ver = load(train_frames)
+    s_ver = _soft([f.row for f in train_frames], n_cls)
     x_recent = x_ver  # the verified training frames as they arrived (before balancing)
-    x_val, y_val = load(val_rows), np.array([r.label for r in val_rows], dtype=np.int64)
-    x_hold, y_hold = load(hold_rows), np.array([r.label for r in hold_rows], dtype=np.int64)
+    x_val, y_val = load(val_frames)
+    x_hold, y_hold = load(hold_frames)
     keep = _balance(y_ver, rng, n_cls)
     x_ver, y_ver, s_ver = x_ver[keep], y_ver[keep], s_ver[keep]
 

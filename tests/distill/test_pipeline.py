@@ -111,6 +111,31 @@ def test_int8_calibration_mixes_recent_and_replay_frames() -> None:
     assert len(alone) == 256 and (alone[:, 0, 0, 0] != 2).all()
 
 
+def test_identical_frames_count_once_and_stay_on_one_side_of_the_split() -> None:
+    from distill.pipeline import JobParams, _distinct, _Row, _split
+
+    # 60 pictures, each sent 1-4 times (newest first); copy 2 of picture 7 has a human
+    # label, and the newest copy does not.
+    rng = np.random.default_rng(0)
+    pictures = rng.integers(0, 255, (60, 8, 8, 3), dtype=np.uint8)
+    order = [k for k in range(60) for _ in range(1 + k % 4)]
+    rows, pixels = [], []
+    for i, k in enumerate(order):
+        human = k == 7 and order[:i].count(7) == 1
+        rows.append(_Row(f"s{i}", f"k{i}", 9 if human else k % 10, k % 10, [0.1] * 10, human))
+        pixels.append(pictures[k])
+    distinct = _distinct(rows, np.stack(pixels))
+    assert len(distinct) == 60 and sum(len(f.sample_ids) for f in distinct) == len(rows)
+    assert [f.row.sample_id for f in distinct[:2]] == ["s0", "s1"]  # newest copy stands
+    seven = next(f for f in distinct if f.row.teacher_label == 7 and len(f.sample_ids) == 4)
+    assert seven.row.label == 9 and seven.row.human
+    train, val, holdout = _split(distinct, JobParams(fleet=FLEET, val_share=0.3))
+    assert len(holdout) == 12 and holdout == distinct[:12]
+    keys = [{f.key for f in part} for part in (train, val, holdout)]
+    assert not (keys[0] & keys[1] or keys[0] & keys[2] or keys[1] & keys[2])
+    assert len(keys[0]) + len(keys[1]) + len(keys[2]) == 60 and val
+
+
 def _png(frame: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(frame).save(buffer, format="PNG")
