@@ -83,6 +83,9 @@ def closed_loop(
     rounds: int = typer.Option(
         2, min=1, max=10, help="Distillation rounds (the last one is the steady state)."
     ),
+    stream_renders: int = typer.Option(
+        16, min=1, max=64, help="Renders of each stream scan (distinct camera frames)."
+    ),
     quick: bool = typer.Option(False, "--quick", help="Small, fast-trained reference models."),
     as_json: bool = JsonOption,
 ) -> None:
@@ -102,6 +105,7 @@ def closed_loop(
         plot=plot,
         report_html=report,
         rounds=rounds,
+        stream_renders=stream_renders,
     )
     if as_json:
         print_json({k: v for k, v in result.items() if k != "timeline"})

@@ -336,8 +336,10 @@ def train(
     on_step: Callable[[int, int], None] | None = None,
     patience: int | None = None,
     augment: Augment | None = None,
+    keep_last: bool = False,
 ) -> TrainResult:
-    """Train one model on ``train_set``; keep the weights that score best on ``val_set``.
+    """Train one model on ``train_set``; keep the weights that score best on ``val_set``
+    (with ``keep_last``, the last epoch's, which the one-cycle schedule anneals to).
 
     ``init_state`` warm-starts from existing weights (a state dict of the same
     architecture); ``on_step(step, total_steps)`` is called after every optimizer step
@@ -447,7 +449,7 @@ def train(
             )
 
             # checkpoint (on a tie the later, further-annealed weights win)
-            if score >= best_score:
+            if keep_last or score >= best_score:
                 best_score, best_epoch = score, epoch
                 best_state = copy.deepcopy(net.state_dict())
                 if checkpoint is not None:

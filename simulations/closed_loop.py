@@ -18,8 +18,10 @@ audit share) over MQTT, receives verdicts, and installs new models as it does in
 the field: retained announcement, signature, HTTP download, sha256, golden inputs,
 atomic swap.
 
-Frames come from the reference scenario's stream split, divided by source scan into
-two pools that share no scan: the *live* pool feeds the clean and drifted phases
+Frames come from the reference scenario's stream split (each scan rendered
+``stream_renders`` times, 16 by default: about 1,400 distinct frames per pool; the
+stream is never trained on, so the render count changes no model), divided by source
+scan into two pools that share no scan: the *live* pool feeds the clean and drifted phases
 (whose forwarded frames become the round's training data) and the *evaluation* pool
 is used for every figure in the table, so "after" is measured on frames the new
 student never trained on. The table's columns use the same evaluation frames (same
@@ -61,7 +63,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -546,6 +548,7 @@ def run_closed_loop(
     models: Any = None,
     job_params: dict[str, Any] | None = None,
     rounds: int = 1,
+    stream_renders: int = 16,
 ) -> dict[str, Any]:
     """Run the loop once and return its figures (also printed; a plot and a report saved).
 
@@ -574,6 +577,7 @@ def run_closed_loop(
             started=started,
             job_params=job_params or {},
             rounds=rounds,
+            stream_renders=stream_renders,
         )
     report["goals"] = _goals(report)
     report["goal_columns"] = goal_columns(report)
@@ -606,6 +610,7 @@ def _run(
     started: float,
     job_params: dict[str, Any],
     rounds: int,
+    stream_renders: int,
 ) -> dict[str, Any]:
     from sqlalchemy import case, func, select
 
@@ -626,7 +631,11 @@ def _run(
     from shared import EmbeddedBroker, MqttTarget
 
     scenario = ReferenceConfig.reference(quick=quick).scenario
-    live_pool, eval_pool = split_pool(render_split("stream", scenario))
+    # The stream scans are never trained on, so rendering each more often changes no
+    # model: it gives the cameras fresh pictures of the same scans, as a real line shows
+    # the same kinds of object in new positions, instead of repeating a few hundred.
+    stream = render_split("stream", replace(scenario, stream_renders=stream_renders))
+    live_pool, eval_pool = split_pool(stream)
     spec = tuple(parse_drift_spec(drift))
     teacher = _session(models.teacher_onnx)
     timeline = _Timeline(started)
@@ -637,7 +646,11 @@ def _run(
         "threshold": threshold,
         "quick": quick,
         "rounds_requested": rounds,
-        "pools": {"live_frames": len(live_pool), "evaluation_frames": len(eval_pool)},
+        "pools": {
+            "live_frames": len(live_pool),
+            "evaluation_frames": len(eval_pool),
+            "stream_renders": stream_renders,
+        },
     }
     prefix = settings.topic_prefix if settings else "edgeloop/v1"
 
@@ -704,8 +717,8 @@ def _run(
                 # hundred frames varies by a point from one seed to the next.
                 "candidates": 3,
                 # A round must not fall on unseen scans under the drift it answers:
-                # the live pool repeats a few hundred frames, so the recent holdout
-                # alone can reward a student that learnt those frames by heart.
+                # the live pool shows each of its scans again in new renders, so the
+                # recent holdout alone can reward a student that learnt those scans.
                 "max_drift_drop": 0.02,
                 **job_params,
             }
@@ -1180,6 +1193,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="the job's thread limit")
     parser.add_argument("--plot", type=Path, default=Path("closed_loop.svg"))
     parser.add_argument("--report", type=Path, default=None, help="write an HTML report here")
+    parser.add_argument("--stream-renders", type=int, default=16, help="renders per stream scan")
     args = parser.parse_args()
     report = run_closed_loop(
         None,
@@ -1192,6 +1206,7 @@ def main() -> None:
         plot=args.plot,
         report_html=args.report,
         rounds=args.rounds,
+        stream_renders=args.stream_renders,
     )
     if args.json:
         print(json.dumps(report, indent=2, default=str))

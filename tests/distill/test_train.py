@@ -67,6 +67,20 @@ def test_training_learns(small_test_set: FrameSet) -> None:
     assert result.history[-1]["loss"] < result.history[0]["loss"]
 
 
+def test_keep_last_keeps_the_annealed_weights_whatever_validation_says(
+    small_test_set: FrameSet,
+) -> None:
+    data = _tiny(small_test_set)
+    # Validation labels that disagree with training: the best-scoring epoch is then an
+    # accident of noise; keep_last ignores it, and patience never stops the schedule.
+    wrong = FrameSet(
+        frames=data.frames, labels=(data.labels + 1) % 10, class_names=data.class_names
+    )
+    cfg = TrainConfig(role="student", epochs=3, batch_size=32, lr=5e-3)
+    last = train(cfg, data, wrong, progress=False, keep_last=True, patience=1)
+    assert last.metrics["best_epoch"] == 3 and len(last.history) == 3
+
+
 def test_bad_inputs_are_refused(small_test_set: FrameSet) -> None:
     with pytest.raises(DataError, match="frame"):
         train(TrainConfig(frame_size=32, epochs=1), small_test_set, progress=False)
