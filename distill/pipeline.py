@@ -46,7 +46,7 @@ import math
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -317,7 +317,7 @@ def _distinct(rows: Sequence[_Row], pixels: np.ndarray) -> list[_Frame]:
         copies = [rows[i] for i in members]
         newest, human = copies[0], next((r for r in copies if r.human), None)
         if human is not None and not newest.human:
-            newest = _Row(**{**asdict(newest), "label": human.label, "human": True})
+            newest = replace(newest, label=human.label, human=True)
         ids = tuple(r.sample_id for r in copies)
         out.append(_Frame(newest, ids, pixels[members[0]], key))
     return out
