@@ -68,16 +68,24 @@ def test_training_learns(small_test_set: FrameSet) -> None:
 
 
 def test_keep_last_keeps_the_annealed_weights_whatever_validation_says(
-    small_test_set: FrameSet,
+    small_test_set: FrameSet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import distill.train as train_module
+
     data = _tiny(small_test_set)
-    # Validation labels that disagree with training: the best-scoring epoch is then an
-    # accident of noise; keep_last ignores it, and patience never stops the schedule.
-    wrong = FrameSet(
-        frames=data.frames, labels=(data.labels + 1) % 10, class_names=data.class_names
-    )
     cfg = TrainConfig(role="student", epochs=3, batch_size=32, lr=5e-3)
-    last = train(cfg, data, wrong, progress=False, keep_last=True, patience=1)
+
+    # Validation that scores every epoch worse than the one before: by validation the
+    # first epoch is best, and patience 1 stops after the second.
+    def falling() -> None:
+        scores = iter([0.9, 0.5, 0.2])
+        monkeypatch.setattr(train_module, "evaluate_net", lambda *args: next(scores))
+
+    falling()
+    best = train(cfg, data, data, progress=False, patience=1)
+    assert best.metrics["best_epoch"] == 1 and len(best.history) == 2
+    falling()
+    last = train(cfg, data, data, progress=False, patience=1, keep_last=True)
     assert last.metrics["best_epoch"] == 3 and len(last.history) == 3
 
 
