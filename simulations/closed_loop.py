@@ -20,11 +20,11 @@ atomic swap.
 
 Frames come from the reference scenario's stream split (each scan rendered
 ``stream_renders`` times, 16 by default: about 1,400 distinct frames per pool; the
-stream is never trained on, so the render count changes no model), divided by source
-scan into two pools that share no scan: the *live* pool feeds the clean and drifted phases
-(whose forwarded frames become the round's training data) and the *evaluation* pool
-is used for every figure in the table, so "after" is measured on frames the new
-student never trained on. The table's columns use the same evaluation frames (same
+stream is never trained on, so the render count changes no model), divided by
+source scan into two pools that share no scan: the *live* pool feeds the clean and
+drifted phases (whose forwarded frames become the round's training data) and the
+*evaluation* pool is used for every figure in the table, so "after" is measured on
+frames the new student never trained on. The table's columns use the same evaluation frames (same
 seeds): ``before drift`` (serving student, clean), ``drifted`` (serving student,
 drifted) and ``after round k`` for each round (that round's student, drifted; the clean
 frames again for forgetting). The serving-student columns, and every round's column but
