@@ -10,11 +10,11 @@ of the rest; each eviction is counted by kind.
 Writes come in batches, one transaction each: ``write`` stores a micro-batch of
 forwarded samples (``put_many``), marks what was published as sent and deletes what
 was receipted, all in one transaction; ``SpoolWriter`` gathers the forward path's
-samples into such batches. Measured here with 20 KB envelopes: one ``put`` costs
-about 100 us of CPU and 250 us of wall time, a sample in a batch of eight about
-65 us; the rest is the row itself (overflow pages in the WAL). A batch is exactly
-the same as the single writes in its order: the same rows, evictions, counters and
-return values, and all of it or none is committed. Durability: WAL with
+samples into such batches. Pages are 32 KiB, not SQLite's default 4 KiB: with 46 KB
+envelopes in batches of eight, half of them receipted meanwhile, a sample costs
+about 137 us of CPU against 258 us with 4 KiB pages (16 KiB: 174 us, 64 KiB: 175
+us). A batch is exactly the same as the single writes in its order: the same rows,
+evictions, counters and return values, and all of it or none is committed. Durability: WAL with
 synchronous=NORMAL, so a committed sample survives a crash of the agent process; a
 power cut may lose the last commits (FULL would fsync each one, too slow for SD
 cards).
@@ -48,6 +48,7 @@ __all__ = [
     "WriterUplink",
 ]
 
+PAGE_SIZE = 32768
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS samples (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -118,6 +119,10 @@ class Spool:
             self._db = sqlite3.connect(
                 str(self.path), check_same_thread=False, isolation_level=None
             )
+            # Envelopes are tens of KB, stored as chains of overflow pages: 32 KiB pages
+            # make the chains eight times shorter. Only a new file takes it; an existing
+            # spool keeps its pages.
+            self._db.execute(f"PRAGMA page_size={PAGE_SIZE}")
             self._db.execute("PRAGMA journal_mode=WAL")
             # NORMAL in WAL mode survives a process crash (power loss may lose the last
             # commits); FULL would fsync on every sample, too slow for SD cards.
