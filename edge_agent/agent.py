@@ -715,18 +715,15 @@ class Agent:
                 if frame is None:
                     # Decoded at the model's size only: decode the full frame to re-encode it.
                     assert encoded is not None
-                    rgb = self.decode(encoded).rgb
-                elif bgr:
-                    rgb = cv2.cvtColor(frame, cv2.COLOR_BGR2RGB)  # only for forwarded frames
-                else:
-                    rgb = frame
+                    frame, bgr = self.decode(encoded).rgb, False
                 image, image_info = encode_for_upload(
-                    rgb,
+                    frame,
                     original=encoded,
                     original_info=info,
                     max_side=s.upload_max_side,
                     quality=s.upload_jpeg_quality,
                     recompress=s.upload_recompress,
+                    bgr=bgr,
                 )
             payload = self.envelope(
                 sample_id=sample_id,

@@ -154,16 +154,21 @@ def resize_for_model(rgb: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
 
 
 def encode_for_upload(
-    rgb: np.ndarray,
+    pixels: np.ndarray,
     *,
     original: bytes | None,
     original_info: ImageInfo | None,
     max_side: int,
     quality: int,
     recompress: bool,
+    bgr: bool = False,
 ) -> tuple[bytes, ImageInfo]:
-    """The bytes forwarded to the cloud: the original when small enough, else downscaled JPEG."""
-    height, width = rgb.shape[:2]
+    """The bytes forwarded to the cloud: the original when small enough, else downscaled JPEG.
+
+    ``pixels`` are RGB, or BGR as OpenCV captures them when ``bgr`` (encoded as they
+    are, with no conversion either way).
+    """
+    height, width = pixels.shape[:2]
     if (
         original is not None
         and original_info is not None
@@ -174,11 +179,11 @@ def encode_for_upload(
     scale = min(1.0, max_side / max(width, height))
     if scale < 1.0:
         size = (max(1, round(width * scale)), max(1, round(height * scale)))
-        rgb = cv2.resize(rgb, size, interpolation=cv2.INTER_AREA)
-    ok, buffer = cv2.imencode(
-        ".jpg", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality]
-    )
+        pixels = cv2.resize(pixels, size, interpolation=cv2.INTER_AREA)
+    if not bgr:
+        pixels = cv2.cvtColor(pixels, cv2.COLOR_RGB2BGR)  # what imencode expects
+    ok, buffer = cv2.imencode(".jpg", pixels, [cv2.IMWRITE_JPEG_QUALITY, quality])
     if not ok:  # pragma: no cover - OpenCV only fails here on an empty image
         raise ImageError("could not JPEG-encode the frame for upload")
     data = buffer.tobytes()
-    return data, ImageInfo("jpeg", rgb.shape[1], rgb.shape[0])
+    return data, ImageInfo("jpeg", pixels.shape[1], pixels.shape[0])
