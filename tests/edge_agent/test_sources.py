@@ -106,6 +106,37 @@ def test_live_source_keeps_the_newest_frame_and_counts_drops(
     assert agent.batcher.pending == 0
 
 
+def test_frames_are_prepared_off_the_reading_thread_in_the_order_read(
+    make_settings: Callable[..., AgentSettings], engine: object, until: Callable[..., bool]
+) -> None:
+    settings = make_settings()
+    capture = FastCapture(fail_after=40)
+    with Agent(
+        settings,
+        engine=engine,  # type: ignore[arg-type]
+        publisher=MemoryPublisher(),
+        start_sources=False,
+    ) as agent:
+        prepared: list[tuple[int, str]] = []
+        submit_bgr = agent.submit_bgr
+
+        def recording(bgr: np.ndarray, **kwargs: object) -> object:
+            prepared.append((int(bgr[0, 0, 0]), threading.current_thread().name))
+            return submit_bgr(bgr, **kwargs)  # type: ignore[arg-type]
+
+        agent.submit_bgr = recording  # type: ignore[method-assign]
+        reader = CameraReader(
+            CameraSource(name="cam", uri="video.avi", max_fps=1000.0, loop=False),
+            agent,
+            opener=lambda uri: capture,
+            live=False,
+        ).start()
+        assert until(lambda: reader.answered >= 40, timeout=15)
+        reader.stop()
+    assert [value for value, _ in prepared] == list(range(1, 41))
+    assert {thread for _, thread in prepared} == {"camera-cam-prepare-0"}
+
+
 def test_disconnected_camera_is_retried_and_shows_in_status(
     make_settings: Callable[..., AgentSettings], engine: object, until: Callable[..., bool]
 ) -> None:
