@@ -12,7 +12,9 @@ Side by side on the same frames and the same session and thread settings:
   one-thread load generator in another process over keep-alive connections, so
   the client costs little CPU (its share is reported);
 * the agent reading a video file in a loop (in process, no clients), against raw
-  ORT reading the same file.
+  ORT reading the same file. Its forwarded samples go to an in-process stand-in for
+  the cloud that receipts them as the verifier does (one receipt per agent every
+  50 ms, at most 100 ids each), so the agent pays for its side of delivery only.
 
 The raw loops and the HTTP bursts alternate round by round, so a noisy host slows
 both sides of a ratio alike; CPU milliseconds per frame (agent process vs raw loop)
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import multiprocessing
 import os
 import selectors
@@ -38,8 +41,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -367,10 +372,70 @@ def _http(model: Path, jpegs: list[bytes], repeats: int, workdir: Path) -> dict[
     return result
 
 
+class _ReceiptingCloud:
+    """The agent's Publisher for the video bench: a stand-in for broker and verifier.
+
+    Forwarded samples are receipted the way the verifier does it (``receipt_flush_ms``
+    50, ``receipt_max_ids`` 100): the ids gather and one receipt per flush goes back
+    to the agent. The stand-in reads only the sample id from each envelope header (the
+    cloud's own decoding would run elsewhere) and keeps no payloads.
+    """
+
+    FLUSH_S = 0.05
+    MAX_IDS = 100
+
+    def __init__(self) -> None:
+        self._ids: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-cloud", daemon=True)
+        self._on_message: Callable[[str, bytes], None] | None = None
+        self._receipts_topic = ""
+        self.samples = 0
+
+    connected = True
+    backlog = 0
+
+    def set_handlers(
+        self, *, on_message: Callable[[str, bytes], None], on_connect: Callable[[], None]
+    ) -> None:
+        self._on_message = on_message
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+        if not topic.endswith("/samples"):
+            return
+        from shared.envelope import PREFIX_SIZE
+
+        header_len = int.from_bytes(payload[6:8], "big")
+        sample_id = json.loads(payload[PREFIX_SIZE : PREFIX_SIZE + header_len])["sample_id"]
+        with self._lock:
+            self._receipts_topic = topic.rsplit("/", 1)[0] + "/receipts"
+            self._ids.append(sample_id)
+            self.samples += 1
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        from shared.messages import Receipt, encode_message
+
+        while not self._stop.wait(self.FLUSH_S):
+            with self._lock:
+                ids, self._ids = self._ids, []
+            for at in range(0, len(ids), self.MAX_IDS):
+                chunk = ids[at : at + self.MAX_IDS]
+                receipt = Receipt(sample_ids=chunk, stored_at=datetime.now(UTC))
+                assert self._on_message is not None
+                self._on_message(self._receipts_topic, encode_message(receipt))
+
+
 def _video_source(model: Path, video: Path, repeats: int, window_s: float) -> dict[str, float]:
     from edge_agent.agent import Agent
     from edge_agent.settings import AgentSettings, CameraSource
-    from edge_agent.testing import MemoryPublisher
 
     with tempfile.TemporaryDirectory() as tmp:
         settings = AgentSettings(
@@ -385,7 +450,7 @@ def _video_source(model: Path, video: Path, repeats: int, window_s: float) -> di
             cameras=[CameraSource(name="video", uri=str(video), max_fps=10_000.0)],
             **(_ROUTING_OFF_SETTINGS if ROUTING_OFF else {}),
         )
-        with Agent(settings, publisher=MemoryPublisher(auto_receipt=True)) as agent:
+        with Agent(settings, publisher=_ReceiptingCloud()) as agent:
             time.sleep(1.0)  # past the first frames
             rates, cpu_ms = [], []
             for _ in range(repeats):
