@@ -1008,6 +1008,7 @@ class Agent:
             "agent": self.settings.agent_id,
             "ready": self.ready,
             "connected": self.publisher.connected,
+            "uplink": self._uplink_status(),
             "model": {
                 "name": self.engine.name,
                 "version": self.engine.version,
@@ -1023,6 +1024,12 @@ class Agent:
             "uptime_s": round(time.monotonic() - self.started_at, 1),
             **snap,
         }
+
+    def _uplink_status(self) -> dict[str, Any]:
+        link_status = getattr(self.publisher, "status", None)
+        if link_status is None:  # an in-memory publisher
+            return {"connected": self.publisher.connected}
+        return dict(link_status())
 
     def _publish_status(self) -> None:
         st = self.status()

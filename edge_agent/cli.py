@@ -108,6 +108,12 @@ def status(
         f"spool {data['spool']['depth']} samples, {data['spool']['bytes']} bytes;"
         f" dropped frames {data['dropped_frames']}"
     )
+    uplink = data.get("uplink") or {}
+    if "connects" in uplink:
+        typer.echo(
+            f"uplink {uplink['broker']} as {uplink['client_id']}: {uplink['connects']} connects,"
+            f" {uplink['disconnects']} disconnects; last error: {uplink['last_error'] or '-'}"
+        )
     for source in data["sources"]:
         typer.echo(
             f"source {source['name']} ({source['kind']}): {source['state']}"

@@ -129,6 +129,18 @@ class MqttLink:
     def backlog(self) -> int:
         return len(self._outbox)
 
+    def status(self) -> dict[str, Any]:
+        """The link as ``edge-agent status`` shows it."""
+        return {
+            "broker": f"{self.target.host}:{self.target.port}",
+            "client_id": self.client_id,
+            "connected": self.connected,
+            "connects": self.connects,
+            "disconnects": self.disconnects,
+            "outbox": len(self._outbox),
+            "last_error": self.last_error,
+        }
+
     def set_handlers(self, *, on_message: MessageHandler, on_connect: Callable[[], None]) -> None:
         self._on_message = on_message
         self._on_connect = on_connect

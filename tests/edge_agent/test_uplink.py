@@ -41,3 +41,27 @@ def test_spool_drains_only_on_receipts(
         publisher.auto_receipt = True
         publisher.connect()  # a reconnect sends everything unreceipted again
         assert until(lambda: agent.spool.depth == 0)
+
+
+def test_the_link_reports_connects_disconnects_and_the_last_error(broker: object) -> None:
+    """What ``edge-agent status`` shows of the uplink, over a real broker."""
+    import time
+    import uuid
+
+    from edge_agent.uplink import MqttLink
+
+    target = broker.target  # type: ignore[attr-defined]
+    client_id = f"edgeloop-test-link-{uuid.uuid4().hex[:8]}"
+    link = MqttLink(target, client_id=client_id, subscriptions=[])
+    link.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not link.connected and time.monotonic() < deadline:
+            time.sleep(0.02)
+        status = link.status()
+        assert status["connected"] and status["connects"] == 1
+        assert status["client_id"] == client_id
+        assert status["broker"] == f"{target.host}:{target.port}"
+        assert (status["disconnects"], status["outbox"], status["last_error"]) == (0, 0, None)
+    finally:
+        link.stop()
