@@ -262,7 +262,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                 "raw_single": _raw_pass(teacher, frames, 1),
             },
             len(frames),
-            rounds=5 if quick else 7,
+            rounds=7 if quick else 15,
         )
     batched, single = rates["batched"], rates["single"]
     raw, raw_single = rates["raw"], rates["raw_single"]
