@@ -10,14 +10,20 @@ of the rest; each eviction is counted by kind.
 Writes come in batches, one transaction each: ``write`` stores a micro-batch of
 forwarded samples (``put_many``), marks what was published as sent and deletes what
 was receipted, all in one transaction; ``SpoolWriter`` gathers the forward path's
-samples into such batches. Pages are 32 KiB, not SQLite's default 4 KiB: with 46 KB
-envelopes in batches of eight, half of them receipted meanwhile, a sample costs
-about 137 us of CPU against 258 us with 4 KiB pages (16 KiB: 174 us, 64 KiB: 175
-us). A batch is exactly the same as the single writes in its order: the same rows,
-evictions, counters and return values, and all of it or none is committed. Durability: WAL with
-synchronous=NORMAL, so a committed sample survives a crash of the agent process; a
-power cut may lose the last commits (FULL would fsync each one, too slow for SD
-cards).
+samples into such batches. A batch is exactly the same as the single writes in its
+order: the same rows, evictions, counters and return values, and all of it or none
+is committed.
+
+Pages are 16 KiB, not SQLite's default 4 KiB (``python -m bench.spool``: a forwarded
+46 KB envelope's life in the file it shares with the verdict store, stored in a
+batch of eight, its verdict stored, receipted in a batch of 50): 4 KiB pages 460 us
+of CPU and 199 KiB written per sample; 16 KiB 323 us and 243 KiB; 32 KiB 327 us
+and 302 KiB. Larger pages shorten a blob's chain of overflow pages, but every small
+verdict write then rewrites whole large pages.
+
+Durability: WAL with synchronous=NORMAL, so a committed sample survives a crash of
+the agent process; a power cut may lose the last commits (FULL would fsync each
+one, too slow for SD cards).
 
 Thread-safe: one connection guarded by a lock (SQLite writes serialise anyway).
 """
@@ -48,7 +54,7 @@ __all__ = [
     "WriterUplink",
 ]
 
-PAGE_SIZE = 32768
+PAGE_SIZE = 16384
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS samples (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -119,9 +125,8 @@ class Spool:
             self._db = sqlite3.connect(
                 str(self.path), check_same_thread=False, isolation_level=None
             )
-            # Envelopes are tens of KB, stored as chains of overflow pages: 32 KiB pages
-            # make the chains eight times shorter. Only a new file takes it; an existing
-            # spool keeps its pages.
+            # Envelopes are tens of KB, stored as chains of overflow pages (see the module
+            # docstring). Only a new file takes it; an existing spool keeps its pages.
             self._db.execute(f"PRAGMA page_size={PAGE_SIZE}")
             self._db.execute("PRAGMA journal_mode=WAL")
             # NORMAL in WAL mode survives a process crash (power loss may lose the last
