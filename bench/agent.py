@@ -391,7 +391,6 @@ class _ReceiptingCloud:
         self._thread = threading.Thread(target=self._run, name="bench-cloud", daemon=True)
         self._on_message: Callable[[str, bytes], None] | None = None
         self._receipts_topic = ""
-        self.samples = 0
 
     connected = True
     backlog = 0
@@ -411,7 +410,6 @@ class _ReceiptingCloud:
         with self._lock:
             self._receipts_topic = topic.rsplit("/", 1)[0] + "/receipts"
             self._ids.append(sample_id)
-            self.samples += 1
 
     def start(self) -> None:
         self._thread.start()

@@ -171,10 +171,8 @@ class CameraReader:
         self._submit(bgr)
 
     def _submit(self, bgr: np.ndarray) -> None:
-        """Hand the frame to the preparation thread (or prepare it here, before start)."""
-        if self._prepare is None:
-            self._submit_now(bgr)
-            return
+        """Hand the frame to the preparation thread (frames come only after ``start``)."""
+        assert self._prepare is not None
         try:
             self._prepare.submit(self._submit_now, bgr)
         except RuntimeError as exc:  # stopping: the pool is shut down
