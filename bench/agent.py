@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import multiprocessing
 import os
 import selectors
@@ -377,8 +376,8 @@ class _ReceiptingCloud:
 
     Forwarded samples are receipted the way the verifier does it (``receipt_flush_ms``
     50, ``receipt_max_ids`` 100): the ids gather and one receipt per flush goes back
-    to the agent. The stand-in reads only the sample id from each envelope header (the
-    cloud's own decoding would run elsewhere) and keeps no payloads.
+    to the agent. The stand-in decodes each envelope for its sample id (about 0.1 ms,
+    paid in the agent's process here) and keeps no payloads.
     """
 
     FLUSH_S = 0.05
@@ -403,10 +402,9 @@ class _ReceiptingCloud:
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
         if not topic.endswith("/samples"):
             return
-        from shared.envelope import PREFIX_SIZE
+        from shared.envelope import decode_envelope
 
-        header_len = int.from_bytes(payload[6:8], "big")
-        sample_id = json.loads(payload[PREFIX_SIZE : PREFIX_SIZE + header_len])["sample_id"]
+        sample_id = decode_envelope(payload).header.sample_id
         with self._lock:
             self._receipts_topic = topic.rsplit("/", 1)[0] + "/receipts"
             self._ids.append(sample_id)

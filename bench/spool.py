@@ -33,38 +33,32 @@ def _written() -> int:
 
 
 def _one_run(page_size: int, samples: int) -> dict[str, float]:
-    import edge_agent.spool as spool_module
     from edge_agent.agent import VerdictStore
     from edge_agent.spool import NewSample, Spool
     from shared.ids import new_sample_id
 
     payload = os.urandom(ENVELOPE_BYTES)
     verdict = {"label": 3, "scores": [0.1] * 10, "teacher_model": "teacher", "agrees": True}
-    chosen = spool_module.PAGE_SIZE
-    spool_module.PAGE_SIZE = page_size
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "spool.db"
-            spool = Spool(path)
-            verdicts = VerdictStore(path, keep=100_000)
-            cpu, wrote = time.process_time(), _written()
-            ids: list[str] = []
-            for _ in range(samples // WRITE_BATCH):
-                batch = [
-                    NewSample(new_sample_id(), payload, priority=3, audit=False)
-                    for _ in range(WRITE_BATCH)
-                ]
-                spool.write(batch, now=1.0, published=True)
-                ids += [s.sample_id for s in batch]
-            for sample_id in ids:
-                verdicts.put(sample_id, verdict, {"label": 3}, 1.0)
-            for at in range(0, len(ids), RECEIPT_BATCH):
-                spool.ack(ids[at : at + RECEIPT_BATCH])
-            cpu, wrote = time.process_time() - cpu, _written() - wrote
-            spool.close()
-            verdicts.close()
-    finally:
-        spool_module.PAGE_SIZE = chosen
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "spool.db"
+        spool = Spool(path, page_size=page_size)
+        verdicts = VerdictStore(path, keep=100_000)
+        cpu, wrote = time.process_time(), _written()
+        ids: list[str] = []
+        for _ in range(samples // WRITE_BATCH):
+            batch = [
+                NewSample(new_sample_id(), payload, priority=3, audit=False)
+                for _ in range(WRITE_BATCH)
+            ]
+            spool.write(batch, now=1.0, published=True)
+            ids += [s.sample_id for s in batch]
+        for sample_id in ids:
+            verdicts.put(sample_id, verdict, {"label": 3}, 1.0)
+        for at in range(0, len(ids), RECEIPT_BATCH):
+            spool.ack(ids[at : at + RECEIPT_BATCH])
+        cpu, wrote = time.process_time() - cpu, _written() - wrote
+        spool.close()
+        verdicts.close()
     return {"cpu_us": cpu / len(ids) * 1e6, "written_kib": wrote / len(ids) / 1024}
 
 

@@ -37,7 +37,6 @@ def _load_syncfs() -> Callable[[int], int] | None:
 
 _syncfs = _load_syncfs()
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-_FOLDERS_KNOWN = 10_000  # folders remembered as existing, then forgotten at once
 _KEY_RE = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 
 
@@ -80,10 +79,6 @@ class LocalBlobStore:
         self.root = Path(root)
         self.fsync = fsync
         self.root.mkdir(parents=True, exist_ok=True)
-        # Folders known to exist: a sample's folder holds ~18 h of one agent's images,
-        # so most writes skip the stat and mkdir calls (a folder removed behind our
-        # back is made again).
-        self._folders: set[str] = set()
 
     def _path(self, key: str) -> Path:
         return self.root / check_blob_key(key)
@@ -96,15 +91,10 @@ class LocalBlobStore:
         path = str(self._path(key))
         folder, name = os.path.split(path)
         try:
-            if folder not in self._folders:
-                os.makedirs(folder, exist_ok=True)
-                if len(self._folders) >= _FOLDERS_KNOWN:
-                    self._folders.clear()
-                self._folders.add(folder)
             tmp = os.path.join(folder, f".{name}.{os.urandom(6).hex()}.tmp")
             try:
                 fd = os.open(tmp, _CREATE_FLAGS, 0o600)
-            except FileNotFoundError:  # the folder was removed meanwhile
+            except FileNotFoundError:  # the folder's first blob (or it was removed)
                 os.makedirs(folder, exist_ok=True)
                 fd = os.open(tmp, _CREATE_FLAGS, 0o600)
             try:

@@ -111,10 +111,18 @@ class SpoolStats:
 
 
 class Spool:
-    """``Spool(path, max_bytes=..., max_samples=...)``; ``close()`` when done."""
+    """``Spool(path, max_bytes=..., max_samples=...)``; ``close()`` when done.
+
+    ``page_size`` applies to a new file only (an existing one keeps its pages).
+    """
 
     def __init__(
-        self, path: Path, *, max_bytes: int = 256 << 20, max_samples: int = 100_000
+        self,
+        path: Path,
+        *,
+        max_bytes: int = 256 << 20,
+        max_samples: int = 100_000,
+        page_size: int = PAGE_SIZE,
     ) -> None:
         self.path = Path(path)
         self.max_bytes = max_bytes
@@ -127,7 +135,7 @@ class Spool:
             )
             # Envelopes are tens of KB, stored as chains of overflow pages (see the module
             # docstring). Only a new file takes it; an existing spool keeps its pages.
-            self._db.execute(f"PRAGMA page_size={PAGE_SIZE}")
+            self._db.execute(f"PRAGMA page_size={int(page_size)}")
             self._db.execute("PRAGMA journal_mode=WAL")
             # NORMAL in WAL mode survives a process crash (power loss may lose the last
             # commits); FULL would fsync on every sample, too slow for SD cards.
