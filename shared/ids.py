@@ -8,6 +8,12 @@ fall in the same millisecond:
 
     unix_ts_ms (48) | ver=7 (4) | counter (12) | var=0b10 (2) | random (62)
 
+The random bits come from the operating system's CSPRNG, read 4 KiB at a time
+(``OsRandomBits``): ``os.urandom`` lets go of the GIL around its system call, so
+one call per id made every id a GIL hand-off, and in a busy agent (reader, decode,
+inference and answer threads all wanting the GIL) taking it back cost the answering
+thread hundreds of microseconds per frame.
+
 ``UtcDatetime`` is the timestamp type every message field uses: it accepts an
 aware ``datetime`` or an ISO 8601 string with an offset, refuses naive times and
 numbers, stores UTC, and serialises as ``2024-05-01T12:00:00.123456Z``.
@@ -15,10 +21,11 @@ numbers, stores UTC, and serialises as ``2024-05-01T12:00:00.123456Z``.
 
 from __future__ import annotations
 
+import os
 import re
-import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
@@ -28,6 +35,7 @@ from pydantic import BeforeValidator, PlainSerializer
 from shared.errors import InvalidIdError
 
 __all__ = [
+    "OsRandomBits",
     "SampleIdGenerator",
     "UtcDatetime",
     "format_utc",
@@ -47,16 +55,57 @@ _COUNTER_MAX = 0xFFF
 _SEED_BITS = 11
 
 
+class OsRandomBits:
+    """``randbits(k)`` from ``os.urandom``, read ``chunk`` bytes ahead; not thread-safe.
+
+    A forked child drops what its parent read ahead, so the two never share bits.
+    """
+
+    def __init__(self, chunk: int = 4096) -> None:
+        self._chunk = chunk
+        self._buffer = b""
+        self._at = 0
+        _read_ahead.add(self)
+
+    def __call__(self, bits: int) -> int:
+        size = (bits + 7) // 8
+        if self._at + size > len(self._buffer):
+            self._buffer = os.urandom(max(self._chunk, size))
+            self._at = 0
+        value = int.from_bytes(self._buffer[self._at : self._at + size], "big")
+        self._at += size
+        return value >> (8 * size - bits)
+
+    def forget(self) -> None:
+        """Drop the bits read ahead (the next call reads fresh ones)."""
+        self._buffer = b""
+        self._at = 0
+
+
+_read_ahead: weakref.WeakSet[OsRandomBits] = weakref.WeakSet()
+
+
+def _forget_read_ahead() -> None:
+    for source in list(_read_ahead):
+        source.forget()
+
+
+os.register_at_fork(after_in_child=_forget_read_ahead)
+
+
 class SampleIdGenerator:
-    """Makes strictly increasing UUIDv7 strings; ``clock_ns`` is a seam for tests."""
+    """Makes strictly increasing UUIDv7 strings; ``clock_ns`` is a seam for tests.
+
+    ``randbits`` is called under the generator's lock (the default is not thread-safe).
+    """
 
     def __init__(
         self,
         clock_ns: Callable[[], int] = time.time_ns,
-        randbits: Callable[[int], int] = secrets.randbits,
+        randbits: Callable[[int], int] | None = None,
     ) -> None:
         self._clock_ns = clock_ns
-        self._randbits = randbits
+        self._randbits = randbits or OsRandomBits()
         # Guards the (millisecond, counter) pair; several threads make ids.
         self._lock = threading.Lock()
         self._last_ms = -1
@@ -76,13 +125,8 @@ class SampleIdGenerator:
                     self._last_ms += 1
                     self._counter = self._randbits(_SEED_BITS)
             ms, counter = self._last_ms, self._counter
-        value = (
-            (ms & 0xFFFF_FFFF_FFFF) << 80
-            | 0x7 << 76
-            | counter << 64
-            | 0b10 << 62
-            | self._randbits(62)
-        )
+            low = self._randbits(62)
+        value = (ms & 0xFFFF_FFFF_FFFF) << 80 | 0x7 << 76 | counter << 64 | 0b10 << 62 | low
         h = f"{value:032x}"
         return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from shared.errors import InvalidIdError
 from shared.ids import (
+    OsRandomBits,
     SampleIdGenerator,
     format_utc,
     new_sample_id,
@@ -134,3 +136,50 @@ def test_utc_timestamps_parse_and_format() -> None:
     for bad in ["2024-05-01T12:00:00", "yesterday", 1714564800, "9999-12-31T23:00:00-05:00"]:
         with pytest.raises(ValueError):
             parse_utc(bad)
+
+
+def test_os_random_bits_are_in_range_and_spread_over_every_bit() -> None:
+    bits = OsRandomBits(chunk=64)  # a small chunk: many refills in this test
+    values = [bits(62) for _ in range(4_000)]
+    assert all(0 <= v < 2**62 for v in values)
+    assert len(set(values)) == len(values)
+    # Each of the 62 bits is set in roughly half of the draws.
+    for bit in range(62):
+        share = sum(v >> bit & 1 for v in values) / len(values)
+        assert 0.4 < share < 0.6, bit
+    assert all(0 <= bits(11) < 2**11 for _ in range(1_000))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_reuse_the_bits_its_parent_read_ahead() -> None:
+    bits = OsRandomBits()
+    bits(62)  # the parent has 4 KiB read ahead now
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its next draw, then leave at once
+        os.write(write, bits(62).to_bytes(8, "big"))
+        os._exit(0)
+    os.close(write)
+    child = int.from_bytes(os.read(read, 8), "big")
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert child != bits(62)
+
+
+def test_ids_read_the_os_random_source_once_per_hundreds_of_ids(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """os.urandom lets go of the GIL around its system call: one call per id made each
+    id a GIL hand-off, which a busy agent paid for in waiting. Bits are read ahead."""
+    calls: list[int] = []
+    real = os.urandom
+
+    def counted(size: int) -> bytes:
+        calls.append(size)
+        return real(size)
+
+    monkeypatch.setattr(os, "urandom", counted)
+    generate = SampleIdGenerator()
+    values = [generate() for _ in range(2_000)]
+    assert len(set(values)) == 2_000
+    assert len(calls) <= 5  # 4 KiB a call: 8 bytes per id, 2 more per new millisecond
