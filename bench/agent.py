@@ -34,6 +34,7 @@ import argparse
 import concurrent.futures
 import multiprocessing
 import os
+import queue
 import selectors
 import socket
 import statistics
@@ -470,30 +471,73 @@ def _video_source(model: Path, video: Path, repeats: int, window_s: float) -> di
 
 
 def _raw_video(model: Path, video: Path, n: int, repeats: int) -> dict[str, float]:
-    """Raw ORT on the same video: read with OpenCV, convert, resize, batch, run."""
+    """Raw ORT on the same video, with the agent's frame preparation and threads.
+
+    ``pipelined`` (the goal's baseline) is laid out as the agent's camera source is:
+    one thread reads, one prepares (shrinks the BGR frame, then converts it to RGB at
+    the model's size), and the calling thread runs batches, so reading, preparing and
+    inference overlap; at most ``2 * MAX_BATCH`` frames are read ahead. ``serial``
+    (for information) does the same work one step after another on one thread.
+    """
     from edge_agent.imaging import resize_for_model
 
     engine = _engine(model)
+    hw = engine.input_hw
 
-    def loop() -> None:
+    def prepare(bgr: np.ndarray) -> np.ndarray:
+        return cv2.cvtColor(resize_for_model(bgr, hw), cv2.COLOR_BGR2RGB)
+
+    def read(capture: cv2.VideoCapture) -> np.ndarray:
+        ok, frame = capture.read()
+        if not ok:
+            capture.set(cv2.CAP_PROP_POS_FRAMES, 0)
+            ok, frame = capture.read()
+        assert ok
+        return frame
+
+    def serial() -> None:
         capture = cv2.VideoCapture(str(video))
         batch: list[np.ndarray] = []
         for _ in range(n):
-            ok, frame = capture.read()
-            if not ok:
-                capture.set(cv2.CAP_PROP_POS_FRAMES, 0)
-                ok, frame = capture.read()
-            rgb = cv2.cvtColor(frame, cv2.COLOR_BGR2RGB)
-            batch.append(resize_for_model(rgb, engine.input_hw))
+            batch.append(prepare(read(capture)))
             if len(batch) == MAX_BATCH:
                 engine.run(np.stack(batch))
                 batch = []
         capture.release()
 
-    loop()
-    timed = sorted(_timed(loop) for _ in range(repeats))
-    wall, cpu = timed[len(timed) // 2]
-    return {"raw_video_fps": n / wall, "raw_video_cpu_ms_per_frame": cpu / n * 1e3}
+    preparer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raw-prepare")
+
+    def pipelined() -> None:
+        capture = cv2.VideoCapture(str(video))
+        prepared: queue.Queue[concurrent.futures.Future[np.ndarray] | None] = queue.Queue(
+            maxsize=2 * MAX_BATCH
+        )
+
+        def reader() -> None:
+            for _ in range(n):
+                prepared.put(preparer.submit(prepare, read(capture)))
+            prepared.put(None)
+
+        thread = threading.Thread(target=reader, name="raw-read")
+        thread.start()
+        batch: list[np.ndarray] = []
+        while (future := prepared.get()) is not None:
+            batch.append(future.result())
+            if len(batch) == MAX_BATCH:
+                engine.run(np.stack(batch))
+                batch = []
+        thread.join()
+        capture.release()
+
+    result: dict[str, float] = {}
+    for name, loop in (("raw_video", pipelined), ("raw_video_serial", serial)):
+        loop()
+        timed = sorted(_timed(loop) for _ in range(repeats))
+        wall, cpu = timed[len(timed) // 2]
+        result[f"{name}_fps"] = n / wall
+        result[f"{name}_cpu_ms_per_frame"] = cpu / n * 1e3
+    preparer.shutdown()
+    return result
 
 
 def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str, Any]:
@@ -552,6 +596,8 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
                         vid["video_cpu_ms_per_frame"],
                         vid["raw_video_cpu_ms_per_frame"],
                         vid["video_forward_rate"],
+                        vid["raw_video_serial_fps"],
+                        vid["video_fps"] / vid["raw_video_serial_fps"],
                     ]
                 )
             figures[label] = {k: round(v, 3) for k, v in result.items()}
@@ -594,7 +640,7 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
             markdown_table(
                 [
                     "model",
-                    "raw ORT fps (video read)",
+                    "raw ORT fps (video read, pipelined)",
                     "agent video fps",
                     "video / raw video",
                     "video p50 ms",
@@ -603,12 +649,17 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
                     "agent CPU ms/frame",
                     "raw video CPU ms/frame",
                     "forwarded share",
+                    "raw ORT fps (one thread; info)",
+                    "video / raw one thread (info)",
                 ],
                 video_rows,
             ),
-            f"The same 64-frame MJPEG clip in a loop; raw: read, convert, resize, batch of"
-            f" {MAX_BATCH}, run; agent: a camera source on the file, in process, frames/s"
-            f" over {window_s:g} s windows, median of {repeats}.",
+            f"The same 64-frame MJPEG clip in a loop. Raw: one thread reads, one prepares"
+            " (the agent's preparation: shrink the BGR frame, then convert it to RGB), the"
+            f" calling thread runs batches of {MAX_BATCH}, as the agent's camera source is laid"
+            " out (the one-thread loop does the same work step after step; information);"
+            f" median of {repeats} passes of {n_frames} frames. Agent: a camera source on the"
+            f" file, in process, frames/s over {window_s:g} s windows, median of {repeats}.",
         ]
     return {"figures": figures, "tables": tables}
 
