@@ -1,0 +1,38 @@
+"""The agent benchmark's video rounds: the raw loops and the agent see the same clip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import agent as bench_agent
+from edge_agent.testing import make_tiny_student
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("clip")
+    return bench_agent._video(folder / "clip.avi", bench_agent._frames(8))
+
+
+def test_the_raw_video_loops_run_the_same_frames_pipelined_and_one_step_at_a_time(
+    tmp_path: Path, clip: Path
+) -> None:
+    model = make_tiny_student(tmp_path / "student.onnx")
+    loops = bench_agent._raw_video_loops(model, clip, 20)  # past the clip's end: it loops
+    assert set(loops) == {"raw_video", "raw_video_serial"}
+    for loop in loops.values():
+        loop()
+        loop()  # a second pass reopens the clip
+
+
+def test_video_rounds_report_the_agent_against_each_raw_loop(tmp_path: Path, clip: Path) -> None:
+    model = make_tiny_student(tmp_path / "student.onnx")
+    figures = bench_agent._video_rounds(model, clip, 16, repeats=2, window_s=0.3)
+    assert figures["video_fps"] > 0
+    assert figures["raw_video_fps"] > 0
+    assert figures["raw_video_serial_fps"] > 0
+    assert figures["video_vs_raw_video"] > 0
+    assert figures["video_vs_raw_video_serial"] > 0
+    assert figures["video_dropped"] == 0  # a file source waits for room, it never drops
