@@ -504,34 +504,35 @@ def _raw_video_loops(model: Path, video: Path, n: int) -> dict[str, Callable[[],
                 batch = []
         capture.release()
 
-    preparer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raw-prepare")
-
     def pipelined() -> None:
         capture = cv2.VideoCapture(str(video))
         prepared: queue.Queue[concurrent.futures.Future[np.ndarray] | None] = queue.Queue(
             maxsize=2 * MAX_BATCH
         )
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raw-prep") as preparer:
 
-        def reader() -> None:
-            for _ in range(n):
-                prepared.put(preparer.submit(prepare, read(capture)))
-            prepared.put(None)
+            def reader() -> None:
+                for _ in range(n):
+                    prepared.put(preparer.submit(prepare, read(capture)))
+                prepared.put(None)
 
-        thread = threading.Thread(target=reader, name="raw-read")
-        thread.start()
-        batch: list[np.ndarray] = []
-        while (future := prepared.get()) is not None:
-            batch.append(future.result())
-            if len(batch) == MAX_BATCH:
-                engine.run(np.stack(batch))
-                batch = []
-        thread.join()
+            thread = threading.Thread(target=reader, name="raw-read")
+            thread.start()
+            batch: list[np.ndarray] = []
+            while (future := prepared.get()) is not None:
+                batch.append(future.result())
+                if len(batch) == MAX_BATCH:
+                    engine.run(np.stack(batch))
+                    batch = []
+            thread.join()
         capture.release()
 
     return {"raw_video": pipelined, "raw_video_serial": serial}
 
 
-def _video_rounds(model: Path, video: Path, n: int, repeats: int, window_s: float) -> dict[str, float]:
+def _video_rounds(
+    model: Path, video: Path, n: int, repeats: int, window_s: float
+) -> dict[str, float]:
     """The agent's camera source and the raw loops on the same clip, round by round.
 
     Each round times the raw loops on ``n`` frames, then starts an agent on the clip,
