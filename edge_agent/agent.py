@@ -60,7 +60,7 @@ from edge_agent.imaging import (
 )
 from edge_agent.routing import Decision, Router
 from edge_agent.settings import AgentSettings
-from edge_agent.spool import NewSample, Spool, SpoolWriter
+from edge_agent.spool import SECURE_DELETE, NewSample, Spool, SpoolWriter
 from edge_agent.telemetry import Telemetry
 from edge_agent.updates import ModelUpdater, active_model_path
 from edge_agent.uplink import Backoff, MqttLink, Publisher
@@ -126,6 +126,7 @@ class VerdictStore:
             )
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute(SECURE_DELETE)
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS verdicts ("
                 " seq INTEGER PRIMARY KEY AUTOINCREMENT,"
