@@ -2,11 +2,12 @@
 
     python -m bench.run --only spool        # or: python -m bench.spool [--quick]
 
-One forwarded sample's life in the spool file, which it shares with the verdict
-store: stored in a writer batch of eight (as sent), its verdict stored, deleted by a
-receipt for 50 samples. Measured for each page size on a fresh file, with the
-agent's own ``Spool`` and ``VerdictStore``; CPU is this process's, bytes are what it
-wrote (``wchar``: WAL and checkpoints included). The spool uses ``PAGE_SIZE``.
+One forwarded sample's life on the agent's disk: stored in the spool in a writer
+batch of eight (as sent), its verdict stored in the verdict store's own file (4 KiB
+pages), deleted from the spool by a receipt for 50 samples. Measured for each spool
+page size on fresh files, with the agent's own ``Spool`` and ``VerdictStore``; CPU
+is this process's, bytes are what it wrote (``wchar``: WAL and checkpoints
+included). The spool uses ``PAGE_SIZE``.
 """
 
 from __future__ import annotations
@@ -40,9 +41,8 @@ def _one_run(page_size: int, samples: int) -> dict[str, float]:
     payload = os.urandom(ENVELOPE_BYTES)
     verdict = {"label": 3, "scores": [0.1] * 10, "teacher_model": "teacher", "agrees": True}
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "spool.db"
-        spool = Spool(path, page_size=page_size)
-        verdicts = VerdictStore(path, keep=100_000)
+        spool = Spool(Path(tmp) / "spool.db", page_size=page_size)
+        verdicts = VerdictStore(Path(tmp) / "spool-verdicts.db", keep=100_000)
         cpu, wrote = time.process_time(), _written()
         ids: list[str] = []
         for _ in range(samples // WRITE_BATCH):

@@ -208,6 +208,12 @@ class AgentSettings(EdgeLoopSettings):
         return self.spool_path or self.data_dir / "spool.db"
 
     @property
+    def resolved_verdicts_path(self) -> Path:
+        """The verdict store's file, beside the spool's: ``spool.db`` -> ``spool-verdicts.db``."""
+        spool = self.resolved_spool_path
+        return spool.with_name(f"{spool.stem}-verdicts{spool.suffix or '.db'}")
+
+    @property
     def resolved_trt_cache_dir(self) -> Path:
         return self.trt_cache_dir or self.data_dir / "trt-cache"
 

@@ -14,13 +14,15 @@ samples into such batches. A batch is exactly the same as the single writes in i
 order: the same rows, evictions, counters and return values, and all of it or none
 is committed.
 
-Pages are 16 KiB, not SQLite's default 4 KiB (``python -m bench.spool``: a forwarded
-46 KB envelope's life in the file it shares with the verdict store, stored in a
-batch of eight, its verdict stored, receipted in a batch of 50): 4 KiB pages 260 us
-of CPU and 111 KiB written per sample; 16 KiB 206 us and 161 KiB; 32 KiB 259 us
-and 223 KiB. Larger pages shorten a blob's chain of overflow pages, but every small
-verdict write then rewrites whole large pages. Deletes do not zero the pages they
-free (``SECURE_DELETE``): with zeroing, a receipt wrote the sample's payload again.
+Pages are 32 KiB, not SQLite's default 4 KiB (``python -m bench.spool``: a forwarded
+46 KB envelope's life, stored in a batch of eight, its verdict stored in the verdict
+store's own file, receipted in a batch of 50; three runs): 4 KiB pages 247-344 us of
+CPU and 110 KiB written per sample; 16 KiB 189-221 us and 125 KiB; 32 KiB 152-186 us
+and 118 KiB; 64 KiB 219 us and 182 KiB. Larger pages shorten a payload's chain of
+overflow pages (a camera frame's envelope fits in one 32 KiB page) until each small
+write of the row's neighbours rewrites more than it saves. An existing spool keeps
+its page size. Deletes do not zero the pages they free (``SECURE_DELETE``): with
+zeroing, a receipt wrote the sample's payload again.
 
 Durability: WAL with synchronous=NORMAL, so a committed sample survives a crash of
 the agent process; a power cut may lose the last commits (FULL would fsync each
@@ -57,7 +59,7 @@ __all__ = [
     "WriterUplink",
 ]
 
-PAGE_SIZE = 16384
+PAGE_SIZE = 32768
 # Debian's SQLite (and others built with SQLITE_SECURE_DELETE) zero every page a
 # delete frees: a receipted sample then cost its whole payload again in writes (84 KiB
 # and 82 us per 46 KB sample, against 3 KiB and 13-19 us with FAST). FAST clears deleted

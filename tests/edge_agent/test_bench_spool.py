@@ -16,4 +16,4 @@ def test_the_spool_benchmark_measures_each_page_size() -> None:
         assert row["written_kib_per_sample"] * 1024 >= bench_spool.ENVELOPE_BYTES
     assert figures["cpu_vs_default_pages"] > 0
     assert f"| {PAGE_SIZE} |" in result["tables"][0]
-    assert PAGE_SIZE == 16384
+    assert PAGE_SIZE == 32768

@@ -123,7 +123,9 @@ def test_webhook_retries_with_backoff_then_delivers(
             assert hook.received[0]["sample_id"] == sample_id
             assert hook.received[0]["label"] == 2
             assert hook.received[0]["teacher_version"] == "7"
-            assert _metric(agent, "delivered") == 1
+            # The receiver records the post before it answers; the agent counts the
+            # delivery once the answer is back.
+            assert until(lambda: _metric(agent, "delivered") == 1, timeout=5)
             assert _metric(agent, "retried") == 2
             with ApiServer(create_app(agent)) as server:
                 text = httpx.get(server.url + "/metrics").text
@@ -247,3 +249,44 @@ def test_webhook_url_must_be_http(make_settings: Callable[..., AgentSettings]) -
 
     with pytest.raises(ValidationError, match="http:// or https://"):
         make_settings(webhook_url="ftp://example.com/hook")
+
+
+def test_verdicts_kept_in_the_spool_file_move_to_their_own(
+    make_settings: Callable[..., AgentSettings], engine: object
+) -> None:
+    """Agents before the split kept verdicts in a table of the spool's file: the first
+    start moves them to the verdict store's file and drops the old table."""
+    import sqlite3
+
+    settings = make_settings()
+    spool_path = settings.resolved_spool_path
+    spool_path.parent.mkdir(parents=True, exist_ok=True)
+    old = sqlite3.connect(spool_path)
+    old.execute(
+        "CREATE TABLE verdicts (seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+        " sample_id TEXT NOT NULL UNIQUE, received_at REAL NOT NULL,"
+        " verdict TEXT NOT NULL, result TEXT)"
+    )
+    old.execute(
+        "INSERT INTO verdicts (sample_id, received_at, verdict, result) VALUES (?, ?, ?, ?)",
+        ("kept-before", 1.0, json.dumps({"label": 7}), json.dumps({"label": "7"})),
+    )
+    old.commit()
+    old.close()
+
+    with Agent(settings, engine=engine, publisher=MemoryPublisher()) as agent:  # type: ignore[arg-type]
+        assert agent.verdicts.path == settings.resolved_verdicts_path != spool_path
+        assert agent.sample("kept-before") == {
+            "verdict": {"label": 7},
+            "result": {"label": "7"},
+        }
+    tables = {
+        name
+        for (name,) in sqlite3.connect(spool_path).execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table'"
+        )
+    }
+    assert "verdicts" not in tables and "samples" in tables
+    # A second start finds nothing to move and keeps what was moved.
+    with Agent(settings, engine=engine, publisher=MemoryPublisher()) as again:  # type: ignore[arg-type]
+        assert again.verdicts.count() == 1
