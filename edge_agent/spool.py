@@ -16,11 +16,12 @@ is committed.
 
 Pages are 32 KiB, not SQLite's default 4 KiB (``python -m bench.spool``: a forwarded
 46 KB envelope's life, stored in a batch of eight, its verdict stored in the verdict
-store's own file, receipted in a batch of 50; three runs): 4 KiB pages 247-344 us of
-CPU and 110 KiB written per sample; 16 KiB 189-221 us and 125 KiB; 32 KiB 152-186 us
-and 118 KiB; 64 KiB 219 us and 182 KiB. Larger pages shorten a payload's chain of
-overflow pages (a camera frame's envelope fits in one 32 KiB page) until each small
-write of the row's neighbours rewrites more than it saves. An existing spool keeps
+store's own file, receipted in a batch of 50; four runs, 64 KiB in one): 4 KiB pages
+247-344 us of CPU and 110 KiB written per sample; 16 KiB 189-221 us and 125 KiB;
+32 KiB 152-186 us and 118 KiB; 64 KiB 219 us and 182 KiB. Larger pages shorten a
+payload's chain of overflow pages (a 320x240 camera frame's envelope, about 26 KB,
+fits in one 32 KiB page) until each small write of the row's neighbours rewrites
+more than it saves. An existing spool keeps
 its page size. Deletes do not zero the pages they free (``SECURE_DELETE``): with
 zeroing, a receipt wrote the sample's payload again.
 
