@@ -60,7 +60,7 @@ from edge_agent.imaging import (
 )
 from edge_agent.routing import Decision, Router
 from edge_agent.settings import AgentSettings
-from edge_agent.spool import SECURE_DELETE, NewSample, Spool, SpoolWriter
+from edge_agent.spool import NewSample, Spool, SpoolWriter, connect
 from edge_agent.telemetry import Telemetry
 from edge_agent.updates import ModelUpdater, active_model_path
 from edge_agent.uplink import Backoff, MqttLink, Publisher
@@ -126,14 +126,7 @@ class VerdictStore:
         self.keep = keep
         self._lock = threading.Lock()
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(
-                str(self.path), check_same_thread=False, isolation_level=None, timeout=10.0
-            )
-            self._db.execute(f"PRAGMA page_size={self.PAGE_SIZE}")  # a new file only
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute(SECURE_DELETE)
+            self._db = connect(self.path, page_size=self.PAGE_SIZE, timeout=10.0)
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS verdicts ("
                 " seq INTEGER PRIMARY KEY AUTOINCREMENT,"

@@ -22,8 +22,8 @@ store's own file, receipted in a batch of 50; four runs, 64 KiB in one): 4 KiB p
 payload's chain of overflow pages (a 320x240 camera frame's envelope, about 26 KB,
 fits in one 32 KiB page) until each small write of the row's neighbours rewrites
 more than it saves. An existing spool keeps
-its page size. Deletes do not zero the pages they free (``SECURE_DELETE``): with
-zeroing, a receipt wrote the sample's payload again.
+its page size. Deletes do not zero the pages they free (``connect``): with zeroing,
+a receipt wrote the sample's payload again.
 
 Durability: WAL with synchronous=NORMAL, so a committed sample survives a crash of
 the agent process; a power cut may lose the last commits (FULL would fsync each
@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "PAGE_SIZE",
-    "SECURE_DELETE",
     "NewSample",
     "Spool",
     "SpoolStats",
@@ -58,14 +57,10 @@ __all__ = [
     "SpooledSample",
     "WriteResult",
     "WriterUplink",
+    "connect",
 ]
 
 PAGE_SIZE = 32768
-# Debian's SQLite (and others built with SQLITE_SECURE_DELETE) zero every page a
-# delete frees: a receipted sample then cost its whole payload again in writes (84 KiB
-# and 82 us per 46 KB sample, against 3 KiB and 13-19 us with FAST). FAST clears deleted
-# content from the pages a delete writes anyway and leaves freed pages as they are.
-SECURE_DELETE = "PRAGMA secure_delete=FAST"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS samples (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -81,6 +76,26 @@ CREATE TABLE IF NOT EXISTS samples (
 CREATE INDEX IF NOT EXISTS samples_due ON samples (sent_at, priority, seq);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
+
+
+def connect(path: Path, *, page_size: int, timeout: float = 5.0) -> sqlite3.Connection:
+    """A connection to one of the agent's SQLite files (the spool, the verdict store).
+
+    ``page_size`` applies to a new file only. WAL with synchronous=NORMAL survives a
+    crash of the agent process (power loss may lose the last commits); FULL would
+    fsync every commit, too slow for SD cards. Deletes do not zero the pages they
+    free: Debian's SQLite (and others built with SQLITE_SECURE_DELETE) does by
+    default, and a receipted sample then cost its whole payload again in writes
+    (84 KiB and 82 us per 46 KB sample, against 3 KiB and 13-19 us with FAST, which
+    clears deleted content only from pages a delete writes anyway).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=timeout)
+    db.execute(f"PRAGMA page_size={int(page_size)}")
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute("PRAGMA secure_delete=FAST")
+    return db
 
 
 @dataclass(frozen=True)
@@ -140,18 +155,9 @@ class Spool:
         self.max_samples = max_samples
         self._lock = threading.Lock()
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(
-                str(self.path), check_same_thread=False, isolation_level=None
-            )
             # Envelopes are tens of KB, stored as chains of overflow pages (see the module
-            # docstring). Only a new file takes it; an existing spool keeps its pages.
-            self._db.execute(f"PRAGMA page_size={int(page_size)}")
-            self._db.execute("PRAGMA journal_mode=WAL")
-            # NORMAL in WAL mode survives a process crash (power loss may lose the last
-            # commits); FULL would fsync on every sample, too slow for SD cards.
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute(SECURE_DELETE)
+            # docstring). Only a new file takes the page size; an existing spool keeps its.
+            self._db = connect(self.path, page_size=page_size)
             self._db.executescript(_SCHEMA)
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the spool at {self.path}: {exc}") from exc
