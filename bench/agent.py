@@ -478,13 +478,13 @@ def _raw_video_loops(model: Path, video: Path, n: int) -> dict[str, Callable[[],
     ``raw_video_serial`` (for information) does the same work one step after another
     on one thread.
     """
-    from edge_agent.imaging import resize_for_model
+    from edge_agent.imaging import prepare_bgr
 
     engine = _engine(model)
     hw = engine.input_hw
 
     def prepare(bgr: np.ndarray) -> np.ndarray:
-        return cv2.cvtColor(resize_for_model(bgr, hw), cv2.COLOR_BGR2RGB)
+        return prepare_bgr(bgr, hw)
 
     def read(capture: cv2.VideoCapture) -> np.ndarray:
         ok, frame = capture.read()
@@ -668,7 +668,8 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
                 video_rows,
             ),
             f"The same 64-frame MJPEG clip in a loop. Raw: one thread reads, one prepares"
-            " (the agent's preparation: shrink the BGR frame, then convert it to RGB), the"
+            " (the agent's own edge_agent.imaging.prepare_bgr: shrink the BGR frame, then"
+            " convert it to RGB), the"
             f" calling thread runs batches of {MAX_BATCH}, as the agent's camera source is laid"
             " out (the one-thread loop does the same work step after step; information);"
             f" Agent: a camera source on the file, in process, frames/s over a {window_s:g} s"

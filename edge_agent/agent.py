@@ -45,7 +45,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import cv2
 import numpy as np
 
 from edge_agent.batcher import JobBatch, MicroBatcher, WorkerPool
@@ -56,6 +55,7 @@ from edge_agent.imaging import (
     decode_for_model,
     decode_image,
     encode_for_upload,
+    prepare_bgr,
     resize_for_model,
 )
 from edge_agent.routing import Decision, Router
@@ -524,7 +524,7 @@ class Agent:
     ) -> Future[FrameResult]:
         """Queue one BGR frame as OpenCV captures it (resized first, then converted to RGB)."""
         started = time.perf_counter()
-        tensor = cv2.cvtColor(resize_for_model(bgr, self.engine.input_hw), cv2.COLOR_BGR2RGB)
+        tensor = prepare_bgr(bgr, self.engine.input_hw)
         return self._submit(tensor, bgr, source, None, None, started, block, bgr=True)
 
     def submit_frame(

@@ -34,6 +34,7 @@ __all__ = [
     "decode_for_model",
     "decode_image",
     "encode_for_upload",
+    "prepare_bgr",
     "reduction_flag",
     "resize_for_model",
 ]
@@ -139,8 +140,15 @@ def decode_for_model(
         # OpenCV says only "no image": Pillow's decoder names the problem (or succeeds).
         rgb = decode_image(data, max_bytes=max_bytes, max_pixels=max_pixels).rgb
         return ModelFrame(resize_for_model(rgb, hw), info, data)
-    small = resize_for_model(bgr, hw)
-    return ModelFrame(cv2.cvtColor(small, cv2.COLOR_BGR2RGB), info, data)
+    return ModelFrame(prepare_bgr(bgr, hw), info, data)
+
+
+def prepare_bgr(bgr: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
+    """A BGR frame as OpenCV decodes or captures it -> the model's RGB input.
+
+    Shrunk first, then converted: the same pixels as converting first, for less work.
+    """
+    return cv2.cvtColor(resize_for_model(bgr, hw), cv2.COLOR_BGR2RGB)
 
 
 def resize_for_model(rgb: np.ndarray, hw: tuple[int, int]) -> np.ndarray:

@@ -21,9 +21,9 @@ store's own file, receipted in a batch of 50; four runs, 64 KiB in one): 4 KiB p
 32 KiB 152-186 us and 118 KiB; 64 KiB 219 us and 182 KiB. Larger pages shorten a
 payload's chain of overflow pages (a 320x240 camera frame's envelope, about 26 KB,
 fits in one 32 KiB page) until each small write of the row's neighbours rewrites
-more than it saves. An existing spool keeps
-its page size. Deletes do not zero the pages they free (``connect``): with zeroing,
-a receipt wrote the sample's payload again.
+more than it saves. An existing spool keeps its page size. Deletes do not zero the
+pages they free (``connect``): with zeroing, a receipt wrote the sample's payload
+again.
 
 Durability: WAL with synchronous=NORMAL, so a committed sample survives a crash of
 the agent process; a power cut may lose the last commits (FULL would fsync each
@@ -81,13 +81,12 @@ CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NU
 def connect(path: Path, *, page_size: int, timeout: float = 5.0) -> sqlite3.Connection:
     """A connection to one of the agent's SQLite files (the spool, the verdict store).
 
-    ``page_size`` applies to a new file only. WAL with synchronous=NORMAL survives a
-    crash of the agent process (power loss may lose the last commits); FULL would
-    fsync every commit, too slow for SD cards. Deletes do not zero the pages they
-    free: Debian's SQLite (and others built with SQLITE_SECURE_DELETE) does by
-    default, and a receipted sample then cost its whole payload again in writes
-    (84 KiB and 82 us per 46 KB sample, against 3 KiB and 13-19 us with FAST, which
-    clears deleted content only from pages a delete writes anyway).
+    ``page_size`` applies to a new file only; WAL and synchronous=NORMAL as the module
+    docstring says. Deletes do not zero the pages they free: Debian's SQLite (and
+    others built with SQLITE_SECURE_DELETE) does by default, and a receipted sample
+    then cost its whole payload again in writes (84 KiB and 82 us per 46 KB sample,
+    against 3 KiB and 13-19 us with FAST, which clears deleted content only from
+    pages a delete writes anyway).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=timeout)
