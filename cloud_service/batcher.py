@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
 from shared.errors import EdgeLoopError
@@ -96,16 +96,22 @@ class BatchInfo:
     failed: bool
 
 
-@dataclass(order=True)
+@dataclass(slots=True, eq=False)
 class _Request(Generic[T, R]):
-    sort: tuple[float, int]
-    item: T = field(compare=False)
-    shape: Hashable = field(compare=False)
-    level: int = field(compare=False)
-    enqueued: float = field(compare=False)
-    deadline: float | None = field(compare=False)
-    future: Future[R] = field(compare=False)
-    taken: bool = field(default=False, compare=False)
+    sort: tuple[float, int]  # (order key, arrival): the heaps' key
+    item: T
+    shape: Hashable
+    level: int
+    enqueued: float
+    deadline: float | None
+    future: Future[R]
+    taken: bool = False
+
+
+# A heap entry: (order key, arrival, request). Plain tuples compare in C; comparing the
+# requests themselves (a dataclass's generated __lt__, in Python) made queueing a request
+# and taking it into a batch cost 11.4 us instead of 6.5 (512 requests, batches of 32).
+_Entry = tuple[float, int, "_Request[T, R]"]
 
 
 class DynamicBatcher(Generic[T, R]):
@@ -129,8 +135,8 @@ class DynamicBatcher(Generic[T, R]):
         # Two conditions on one lock: workers wait for work, "delay" submitters for room.
         self._lock = threading.Condition(mutex)
         self._room = threading.Condition(mutex)
-        # (level, shape) -> heap of requests; lazily cleaned of taken ones.
-        self._heaps: dict[tuple[int, Hashable], list[_Request[T, R]]] = {}
+        # (level, shape) -> heap of entries; lazily cleaned of taken ones.
+        self._heaps: dict[tuple[int, Hashable], list[_Entry[T, R]]] = {}
         self._per_shape: dict[Hashable, int] = {}
         self._deadlines: list[tuple[float, int, _Request[T, R]]] = []
         self._waiting = 0
@@ -155,7 +161,7 @@ class DynamicBatcher(Generic[T, R]):
             self._closed = True
             if not drain:
                 for heap in self._heaps.values():
-                    for request in heap:
+                    for _order, _seq, request in heap:
                         if not request.taken:
                             request.taken = True
                             request.future.set_exception(BatcherClosedError("batcher closed"))
@@ -231,7 +237,7 @@ class DynamicBatcher(Generic[T, R]):
         now = self._clock()
         seq = next(self._seq)
         timeout = self.config.timeout_s
-        request = _Request[T, R](
+        request: _Request[T, R] = _Request(
             sort=(order, seq),
             item=item,
             shape=shape,
@@ -240,7 +246,7 @@ class DynamicBatcher(Generic[T, R]):
             deadline=None if timeout is None else now + timeout,
             future=future,
         )
-        heapq.heappush(self._heaps.setdefault((level, shape), []), request)
+        heapq.heappush(self._heaps.setdefault((level, shape), []), (order, seq, request))
         self._per_shape[shape] = self._per_shape.get(shape, 0) + 1
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, seq, request))
@@ -249,10 +255,10 @@ class DynamicBatcher(Generic[T, R]):
 
     # --- forming batches -----------------------------------------------------
 
-    def _head(self, heap: list[_Request[T, R]]) -> _Request[T, R] | None:
-        while heap and heap[0].taken:
+    def _head(self, heap: list[_Entry[T, R]]) -> _Request[T, R] | None:
+        while heap and heap[0][2].taken:
             heapq.heappop(heap)
-        return heap[0] if heap else None
+        return heap[0][2] if heap else None
 
     def _take(self, request: _Request[T, R]) -> None:
         request.taken = True
@@ -288,7 +294,7 @@ class DynamicBatcher(Generic[T, R]):
         for level in range(self.config.priority_levels - 1, -1, -1):
             heap = self._heaps.get((level, shape))
             while heap and len(batch) < count:
-                request = heapq.heappop(heap)
+                request = heapq.heappop(heap)[2]
                 if not request.taken:
                     self._take(request)
                     batch.append(request)
@@ -302,7 +308,7 @@ class DynamicBatcher(Generic[T, R]):
         oldest = float("inf")
         for (_level, s), heap in self._heaps.items():
             if s == shape:
-                for request in heap:
+                for _order, _seq, request in heap:
                     if not request.taken and request.enqueued < oldest:
                         oldest = request.enqueued
         return oldest
