@@ -14,16 +14,17 @@ samples into such batches. A batch is exactly the same as the single writes in i
 order: the same rows, evictions, counters and return values, and all of it or none
 is committed.
 
-Pages are 32 KiB, not SQLite's default 4 KiB (``python -m bench.spool``: a forwarded
-46 KB envelope's life, stored in a batch of eight, its verdict stored in the verdict
-store's own file, receipted in a batch of 50; four runs, 64 KiB in one): 4 KiB pages
-247-344 us of CPU and 110 KiB written per sample; 16 KiB 189-221 us and 125 KiB;
-32 KiB 152-186 us and 118 KiB; 64 KiB 219 us and 182 KiB. Larger pages shorten a
-payload's chain of overflow pages (a 320x240 camera frame's envelope, about 26 KB,
-fits in one 32 KiB page) until each small write of the row's neighbours rewrites
-more than it saves. An existing spool keeps its page size. Deletes do not zero the
-pages they free (``connect``): with zeroing, a receipt wrote the sample's payload
-again.
+Pages are 4 KiB, SQLite's default, chosen by measurement (``python -m bench.spool``):
+the forward path writes each inference batch's forwarded samples in one transaction,
+so most transactions hold one or two samples, and every page a transaction touches
+(the row's, the two indexes', the counters') goes to the WAL whole. Per sample, with
+the receipts and verdicts that follow it: 23 KB envelopes, 239 us of CPU and 63 KiB
+written with 4 KiB pages against 332 us and 208 KiB with 32 KiB pages; 46 KB
+envelopes, 289 us and 97 KiB against 333 us and 233 KiB (8 KiB pages: 240-283 us,
+82-113 KiB). Large pages pay off only for transactions of many samples, which the
+agent makes only when it forwards most frames. An existing spool keeps its page
+size. Deletes do not zero the pages they free (``connect``): with zeroing, a
+receipt wrote the sample's payload again.
 
 Durability: WAL with synchronous=NORMAL, so a committed sample survives a crash of
 the agent process; a power cut may lose the last commits (FULL would fsync each
@@ -60,7 +61,7 @@ __all__ = [
     "connect",
 ]
 
-PAGE_SIZE = 32768
+PAGE_SIZE = 4096
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS samples (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -154,8 +155,8 @@ class Spool:
         self.max_samples = max_samples
         self._lock = threading.Lock()
         try:
-            # Envelopes are tens of KB, stored as chains of overflow pages (see the module
-            # docstring). Only a new file takes the page size; an existing spool keeps its.
+            # Only a new file takes the page size (see the module docstring); an existing
+            # spool keeps its own.
             self._db = connect(self.path, page_size=page_size)
             self._db.executescript(_SCHEMA)
         except sqlite3.Error as exc:

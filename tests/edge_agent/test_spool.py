@@ -204,27 +204,27 @@ def test_spool_writer_answers_after_the_commit_and_batches(tmp_path: Path) -> No
     assert "after" in spool.ids()  # after stop: stored on the caller's thread
 
 
-def test_a_new_spool_has_large_pages_and_an_old_one_keeps_its_own(tmp_path: Path) -> None:
+def test_a_new_spool_takes_its_page_size_and_an_old_one_keeps_its_own(tmp_path: Path) -> None:
     import sqlite3
 
     from edge_agent.spool import PAGE_SIZE
 
     spool = Spool(tmp_path / "new.db")
     ids = fill(spool, 3, size=50_000)
-    assert spool._db.execute("PRAGMA page_size").fetchone()[0] == PAGE_SIZE == 32768
+    assert spool._db.execute("PRAGMA page_size").fetchone()[0] == PAGE_SIZE == 4096
     spool.close()
     again = Spool(tmp_path / "new.db")
     assert [d.sample_id for d in again.due(now=10.0, resend_after_s=30.0)] == ids
     again.close()
 
-    # A spool written by an older agent (SQLite's default 4 KiB pages) opens as it is.
+    # A spool written by an older agent (32 KiB pages) opens as it is.
     old = sqlite3.connect(tmp_path / "old.db")
-    old.execute("PRAGMA page_size=4096")
+    old.execute("PRAGMA page_size=32768")
     old.execute("PRAGMA journal_mode=WAL")
     old.execute("CREATE TABLE unrelated (x INTEGER)")
     old.close()
     kept = Spool(tmp_path / "old.db")
-    assert kept._db.execute("PRAGMA page_size").fetchone()[0] == 4096
+    assert kept._db.execute("PRAGMA page_size").fetchone()[0] == 32768
     ids = fill(kept, 2, size=50_000)
     assert [d.sample_id for d in kept.due(now=10.0, resend_after_s=30.0)] == ids
     kept.close()
