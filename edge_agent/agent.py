@@ -30,6 +30,7 @@ the expensive ones for doubles and keep the cheap real ones (SQLite, Mosquitto).
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import queue
@@ -111,20 +112,34 @@ _RESULT_FIELDS = tuple(f.name for f in fields(FrameResult))
 class VerdictStore:
     """Verdicts by sample id in their own SQLite file (4 KiB pages), newest kept.
 
-    The edge's answer is stored beside a verdict when the agent still holds it. Writes
-    come at the verdict rate (forwarded samples only), so one locked connection is plenty.
-    The file is not the spool's: a verdict is a few hundred bytes, and in the spool's
-    pages (16 KiB then) each one wrote 49 KiB, against 14 KiB here (``python -m bench.spool``).
-    ``moved_from``: a spool file that still holds a ``verdicts`` table (agents before the
-    split); its rows move here once and the table is dropped there.
+    The edge's answer is stored beside a verdict when the agent still holds it. The
+    file is not the spool's: a verdict is a few hundred bytes, and in the spool's
+    larger pages each one rewrote far more than itself. ``put`` only queues a verdict
+    (readable at once through ``get``); a writer thread stores what gathered within
+    ``window_s`` in one transaction, as the cloud sends verdicts in bursts (one per
+    teacher batch): one commit for a burst instead of two per verdict (the insert and
+    the trim to ``keep``). A crash loses at most the verdicts of that window; the
+    agent still holds them in memory until then. ``moved_from``: a spool file that
+    still holds a ``verdicts`` table (agents before the split); its rows move here
+    once and the table is dropped there.
     """
 
     PAGE_SIZE = 4096
 
-    def __init__(self, path: Path, *, keep: int, moved_from: Path | None = None) -> None:
+    def __init__(
+        self, path: Path, *, keep: int, moved_from: Path | None = None, window_s: float = 0.05
+    ) -> None:
         self.path = Path(path)
         self.keep = keep
-        self._lock = threading.Lock()
+        self.window_s = window_s
+        self.commits = 0
+        self.write_errors = 0
+        self._lock = threading.Lock()  # the connection
+        self._queue = threading.Condition()  # guards _pending and _writing
+        # sample id -> (received_at, verdict JSON, result JSON or None), oldest first
+        self._pending: dict[str, tuple[float, str, str | None]] = {}
+        self._writing = False
+        self._closed = False
         try:
             self._db = connect(self.path, page_size=self.PAGE_SIZE, timeout=10.0)
             self._db.execute(
@@ -139,6 +154,8 @@ class VerdictStore:
                 self._move_from(Path(moved_from))
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the verdict store at {self.path}: {exc}") from exc
+        self._writer = threading.Thread(target=self._run, name="verdict-writer", daemon=True)
+        self._writer.start()
 
     def _move_from(self, old: Path) -> None:
         db = self._db
@@ -168,35 +185,84 @@ class VerdictStore:
     def put(
         self, sample_id: str, verdict: dict[str, Any], result: dict[str, Any] | None, now: float
     ) -> None:
-        """Store (or replace) the verdict for ``sample_id``; drop the oldest beyond ``keep``."""
+        """Queue (or replace) the verdict for ``sample_id``; the writer stores it shortly."""
+        row = (now, json.dumps(verdict), json.dumps(result) if result is not None else None)
+        with self._queue:
+            if self._closed:
+                raise StoreError(f"the verdict store is closed; {sample_id} not stored")
+            earlier = self._pending.pop(sample_id, None)
+            if earlier is not None and row[2] is None:
+                row = (row[0], row[1], earlier[2])  # a known result stays
+            self._pending[sample_id] = row
+            if len(self._pending) == 1:
+                self._queue.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._queue:
+                while not self._pending and not self._closed:
+                    self._queue.wait()
+                if not self._pending:
+                    return
+                if not self._closed:  # gather the rest of the burst
+                    self._queue.wait(self.window_s)
+                batch, self._pending = self._pending, {}
+                self._writing = True
+            try:
+                self._write(batch)
+            finally:
+                with self._queue:
+                    self._writing = False
+                    self._queue.notify_all()
+
+    def _write(self, batch: dict[str, tuple[float, str, str | None]]) -> None:
+        rows = [(sample_id, *row) for sample_id, row in batch.items()]
         try:
             with self._lock:
-                cursor = self._db.execute(
-                    "INSERT INTO verdicts (sample_id, received_at, verdict, result)"
-                    " VALUES (?, ?, ?, ?) ON CONFLICT(sample_id) DO UPDATE SET"
-                    " received_at = excluded.received_at, verdict = excluded.verdict,"
-                    " result = COALESCE(excluded.result, result)",
-                    (
-                        sample_id,
-                        now,
-                        json.dumps(verdict),
-                        json.dumps(result) if result is not None else None,
-                    ),
-                )
-                newest = cursor.lastrowid or 0
-                self._db.execute("DELETE FROM verdicts WHERE seq <= ?", (newest - self.keep,))
+                db = self._db
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    db.executemany(
+                        "INSERT INTO verdicts (sample_id, received_at, verdict, result)"
+                        " VALUES (?, ?, ?, ?) ON CONFLICT(sample_id) DO UPDATE SET"
+                        " received_at = excluded.received_at, verdict = excluded.verdict,"
+                        " result = COALESCE(excluded.result, result)",
+                        rows,
+                    )
+                    newest = db.execute("SELECT MAX(seq) FROM verdicts").fetchone()[0] or 0
+                    db.execute("DELETE FROM verdicts WHERE seq <= ?", (newest - self.keep,))
+                    db.execute("COMMIT")
+                    self.commits += 1
+                except sqlite3.Error:
+                    with contextlib.suppress(sqlite3.Error):
+                        db.execute("ROLLBACK")
+                    raise
         except sqlite3.Error as exc:
-            raise StoreError(f"cannot store the verdict for {sample_id}: {exc}") from exc
+            # Still answered from memory; only a restart would lose them.
+            self.write_errors += len(rows)
+            log.warning("could not store %d verdicts: %s", len(rows), exc)
+
+    def flush(self) -> None:
+        """Return once every verdict queued so far is written (or failed)."""
+        with self._queue:
+            while (self._pending or self._writing) and self._writer.is_alive():
+                self._queue.notify_all()
+                self._queue.wait(0.05)
 
     def get(self, sample_id: str) -> dict[str, Any] | None:
         """``{"verdict": ..., "result": ...}`` (result when known) or None."""
-        try:
-            with self._lock:
-                row = self._db.execute(
-                    "SELECT verdict, result FROM verdicts WHERE sample_id = ?", (sample_id,)
-                ).fetchone()
-        except sqlite3.Error as exc:
-            raise StoreError(f"cannot read the verdict for {sample_id}: {exc}") from exc
+        with self._queue:
+            queued = self._pending.get(sample_id)
+        if queued is not None:
+            row: tuple[str, str | None] | None = (queued[1], queued[2])
+        else:
+            try:
+                with self._lock:
+                    row = self._db.execute(
+                        "SELECT verdict, result FROM verdicts WHERE sample_id = ?", (sample_id,)
+                    ).fetchone()
+            except sqlite3.Error as exc:
+                raise StoreError(f"cannot read the verdict for {sample_id}: {exc}") from exc
         if row is None:
             return None
         entry: dict[str, Any] = {"verdict": json.loads(row[0])}
@@ -205,10 +271,17 @@ class VerdictStore:
         return entry
 
     def count(self) -> int:
+        """Verdicts stored (after writing what is queued)."""
+        self.flush()
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM verdicts").fetchone()[0])
 
     def close(self) -> None:
+        """Write what is queued, then close the file."""
+        with self._queue:
+            self._closed = True
+            self._queue.notify_all()
+        self._writer.join(10.0)
         with self._lock:
             self._db.close()
 

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -290,3 +291,47 @@ def test_verdicts_kept_in_the_spool_file_move_to_their_own(
     # A second start finds nothing to move and keeps what was moved.
     with Agent(settings, engine=engine, publisher=MemoryPublisher()) as again:  # type: ignore[arg-type]
         assert again.verdicts.count() == 1
+
+
+def test_a_burst_of_verdicts_is_stored_in_one_transaction(tmp_path: Path) -> None:
+    from edge_agent.agent import VerdictStore
+
+    store = VerdictStore(tmp_path / "verdicts.db", keep=100, window_s=5.0)
+    ids = [f"sample-{i}" for i in range(20)]
+    for i, sample_id in enumerate(ids):
+        store.put(sample_id, {"label": i}, {"label": str(i)} if i % 2 else None, now=1.0)
+    # Readable while queued, before the writer has stored anything.
+    assert store.get(ids[3]) == {"verdict": {"label": 3}, "result": {"label": "3"}}
+    # A verdict replaced while queued keeps the edge's answer it already had.
+    store.put(ids[3], {"label": 30}, None, now=2.0)
+    assert store.get(ids[3]) == {"verdict": {"label": 30}, "result": {"label": "3"}}
+    assert store.count() == 20  # flushes: the whole burst in one commit
+    assert store.commits == 1
+    store.put(ids[3], {"label": 31}, None, now=3.0)  # replaced again once stored
+    store.close()  # writes what is queued
+
+    again = VerdictStore(tmp_path / "verdicts.db", keep=100)
+    assert again.get(ids[3]) == {"verdict": {"label": 31}, "result": {"label": "3"}}
+    assert again.get(ids[0]) == {"verdict": {"label": 0}}
+    assert again.count() == 20
+    again.close()
+
+
+def test_a_failed_verdict_write_is_counted_and_the_writer_goes_on(tmp_path: Path) -> None:
+    import sqlite3
+
+    from edge_agent.agent import VerdictStore
+
+    store = VerdictStore(tmp_path / "verdicts.db", keep=100, window_s=0.0)
+    working = store._db
+    broken = sqlite3.connect(":memory:", check_same_thread=False)
+    broken.close()
+    store._db = broken  # every statement now raises sqlite3.ProgrammingError
+    store.put("lost", {"label": 1}, None, now=1.0)
+    store.flush()
+    assert store.write_errors == 1
+    store._db = working
+    store.put("kept", {"label": 2}, None, now=2.0)
+    assert store.count() == 1
+    assert store.get("kept") == {"verdict": {"label": 2}}
+    store.close()
