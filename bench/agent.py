@@ -10,18 +10,25 @@ Side by side on the same frames and the same session and thread settings:
   and the session alone on frames decoded beforehand (the ceiling);
 * the agent behind its HTTP API: ``edge-agent run`` in a subprocess, driven by a
   one-thread load generator in another process over keep-alive connections, so
-  the client costs little CPU (its share is reported);
+  the client costs little CPU (its share is reported). Its forwarded samples go
+  through the local Mosquitto to a stand-in for the verifier in a third process
+  (``_CloudAnswers``: a receipt per agent every 50 ms, at most 100 ids each, and a
+  verdict per sample, as the verifier sends them; its CPU share is reported);
 * the agent reading a video file in a loop (in process, no clients), against raw
-  ORT reading the same file. Its forwarded samples go to an in-process stand-in for
-  the cloud that receipts them as the verifier does (one receipt per agent every
-  50 ms, at most 100 ids each), so the agent pays for its side of delivery only.
+  ORT reading the same file. Its forwarded samples go to the same stand-in, in
+  process in place of the broker link.
+
+Either way the agent pays for its whole side of delivery (the envelope, the spool,
+publishing, and handling every receipt and verdict: deleting from the spool,
+storing the verdict), and not for the cloud's.
 
 The raw loops and the HTTP bursts alternate round by round, so a noisy host slows
 both sides of a ratio alike; CPU milliseconds per frame (agent process vs raw loop)
 are reported too, as they depend much less on what else the host runs.
 
 The agent runs with its default routing (max probability below 0.6, 1% audit)
-and forwards to the local Mosquitto when one answers (otherwise it spools). The
+and forwards to the local Mosquitto when one answers (otherwise it spools, and no
+stand-in answers). The
 model is the tiny test student scaled up to a camera-like input (160x160, 48
 channels); the reference INT8 student from ``distill.cache`` is added when present.
 Resident memory is the RSS of the ``edge-agent run`` process with the student
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import multiprocessing
 import os
 import queue
@@ -55,6 +63,7 @@ import numpy as np
 import psutil
 
 from bench.common import markdown_table
+from shared.topics import Topics
 
 MAX_BATCH = 8
 # Two batches' worth of keep-alive connections: one batch is queued while one runs.
@@ -66,6 +75,7 @@ DECODE_THREADS = 2  # the agent's http_decode_threads, and the baseline's decode
 # to tell the forward path's cost from the rest of the agent's.
 ROUTING_OFF = os.environ.get("BENCH_ROUTING", "default") == "off"
 _ROUTING_OFF_SETTINGS: dict[str, Any] = {"route_max_prob_below": 0.0, "audit_share": 0.0}
+TOPIC_PREFIX = "edgeloop-bench/v1"
 
 
 def _broker_url() -> str:
@@ -194,7 +204,7 @@ def _write_config(workdir: Path, model: Path, port: int) -> Path:
         f"ort_spinning = {str(SPINNING).lower()}\n"
         'log_level = "WARNING"\n'
         + "".join(f"{k} = {v}\n" for k, v in _ROUTING_OFF_SETTINGS.items() if ROUTING_OFF)
-        + 'topic_prefix = "edgeloop-bench/v1"\n'
+        + f'topic_prefix = "{TOPIC_PREFIX}"\n'
     )
     return config
 
@@ -287,6 +297,15 @@ def _answer(conn: Connection, client: Any, timeout: float = 300.0) -> Any:
     return conn.recv()
 
 
+def _cloud_count(conn: Connection, cloud: Any) -> tuple[int, float]:
+    """(samples answered, CPU seconds) of the stand-in cloud so far; zeros without one."""
+    if cloud is None:
+        return 0, 0.0
+    conn.send("count")
+    samples, cpu = _answer(conn, cloud)
+    return int(samples), float(cpu)
+
+
 def _http(model: Path, jpegs: list[bytes], repeats: int, workdir: Path) -> dict[str, float]:
     """The agent behind HTTP and the raw loops, interleaved round by round (a noisy host
     then slows both sides of each ratio alike); medians over the rounds."""
@@ -305,6 +324,8 @@ def _http(model: Path, jpegs: list[bytes], repeats: int, workdir: Path) -> dict[
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     client: Any = None
+    cloud: Any = None
+    cloud_parent, cloud_child = context.Pipe()
     rounds: list[dict[str, float]] = []
     latencies: list[float] = []
     try:
@@ -319,6 +340,15 @@ def _http(model: Path, jpegs: list[bytes], repeats: int, workdir: Path) -> dict[
                 raise RuntimeError("edge-agent run did not become ready")
             time.sleep(0.1)
         agent = psutil.Process(process.pid)
+        broker = _broker_url()
+        if not broker.endswith(":9"):  # a broker answers: the stand-in cloud answers samples
+            samples_topic = Topics(prefix=TOPIC_PREFIX).samples("bench", "bench-agent")
+            cloud = context.Process(
+                target=_cloud_main, args=(broker, samples_topic, cloud_child), name="bench-cloud"
+            )
+            cloud.start()
+            if _answer(cloud_parent, cloud) != "ready":
+                raise RuntimeError("the stand-in cloud did not start")
         client = context.Process(
             target=_client_main, args=(port, jpegs, CLIENTS, child), name="bench-load"
         )
@@ -333,9 +363,11 @@ def _http(model: Path, jpegs: list[bytes], repeats: int, workdir: Path) -> dict[
             raw_timed = {name: _timed(loop) for name, loop in raw_loops.items()}
             raw_s = {name: wall for name, (wall, _) in raw_timed.items()}
             agent_cpu = sum(agent.cpu_times()[:2])
+            cloud_cpu = _cloud_count(cloud_parent, cloud)[1]
             parent.send("burst")
             seconds, burst, errors, client_cpu = _answer(parent, client)
             agent_cpu = sum(agent.cpu_times()[:2]) - agent_cpu
+            cloud_cpu = _cloud_count(cloud_parent, cloud)[1] - cloud_cpu
             if errors:
                 raise RuntimeError(f"{errors} of {n} requests were not answered 200")
             if i:
@@ -347,6 +379,7 @@ def _http(model: Path, jpegs: list[bytes], repeats: int, workdir: Path) -> dict[
                         **figures,
                         "http_fps": n / seconds,
                         "client_cpu_share": client_cpu / (seconds * cores),
+                        "cloud_cpu_share": cloud_cpu / (seconds * cores),
                         "agent_cpu_share": agent_cpu / (seconds * cores),
                         "agent_cpu_ms_per_frame": agent_cpu / n * 1e3,
                         "raw_decode_cpu_ms_per_frame": raw_timed["raw_decode"][1] / n * 1e3,
@@ -355,10 +388,16 @@ def _http(model: Path, jpegs: list[bytes], repeats: int, workdir: Path) -> dict[
         parent.send("stop")
         client.join(10)
         rss_served = agent.memory_info().rss / 2**20
-        forward_rate = httpx.get(base + "/v1/status", timeout=10).json()["forward_rate"] or 0.0
+        status = httpx.get(base + "/v1/status", timeout=10).json()
+        forward_rate = status["forward_rate"] or 0.0
+        cloud_samples = _cloud_count(cloud_parent, cloud)[0]
+        if cloud is not None:
+            cloud_parent.send("stop")
+            cloud.join(10)
     finally:
-        if client is not None and client.is_alive():
-            client.kill()
+        for child_process in (client, cloud):
+            if child_process is not None and child_process.is_alive():
+                child_process.kill()
         process.terminate()
         process.wait(20)
     ms = np.array(latencies) * 1e3
@@ -368,47 +407,76 @@ def _http(model: Path, jpegs: list[bytes], repeats: int, workdir: Path) -> dict[
         http_p99_ms=float(np.percentile(ms, 99)),
         rss_served_mb=rss_served,
         http_forward_rate=forward_rate,
+        cloud_samples=float(cloud_samples),
     )
     return result
 
 
-class _ReceiptingCloud:
-    """The agent's Publisher for the video bench: a stand-in for broker and verifier.
+def _sample_id(envelope: bytes | bytearray) -> str:
+    """An envelope's sample id, read from its JSON header without checking the rest
+    (the stand-in cloud's cost is not the agent's, so it stays small)."""
+    from shared.envelope import PREFIX_SIZE
 
-    Forwarded samples are receipted the way the verifier does it (``receipt_flush_ms``
-    50, ``receipt_max_ids`` 100): the ids gather and one receipt per flush goes back
-    to the agent. The stand-in decodes each envelope for its sample id (about 0.1 ms,
-    paid in the agent's process here) and keeps no payloads.
+    header_length = int.from_bytes(envelope[6:8], "big")
+    return str(json.loads(envelope[PREFIX_SIZE : PREFIX_SIZE + header_length])["sample_id"])
+
+
+class _CloudAnswers:
+    """What the verifier sends an agent for its forwarded samples, without a verifier.
+
+    A receipt per flush, as the verifier sends them (``receipt_flush_ms`` 50,
+    ``receipt_max_ids`` 100), and a verdict per sample (made from one encoded
+    template, so the stand-in's own work per sample is small). The agent pays for
+    its side of delivery: publishing, the spool, and handling every receipt and
+    verdict (decoding, deleting from the spool, storing the verdict).
     """
 
     FLUSH_S = 0.05
     MAX_IDS = 100
 
-    def __init__(self) -> None:
+    def __init__(self, send: Callable[[str, bytes], object]) -> None:
+        from shared.ids import new_sample_id
+
+        self._send = send
         self._ids: list[str] = []
+        self._topics: tuple[str, str] | None = None  # (receipts, verdicts)
+        self._placeholder = new_sample_id()
+        self._template = b""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-cloud", daemon=True)
-        self._on_message: Callable[[str, bytes], None] | None = None
-        self._receipts_topic = ""
+        self.samples = 0
 
-    connected = True
-    backlog = 0
-
-    def set_handlers(
-        self, *, on_message: Callable[[str, bytes], None], on_connect: Callable[[], None]
-    ) -> None:
-        self._on_message = on_message
-
-    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
-        if not topic.endswith("/samples"):
-            return
-        from shared.envelope import decode_envelope
-
-        sample_id = decode_envelope(payload).header.sample_id
+    def add(self, topic: str, envelope: bytes | bytearray) -> None:
+        """Note a sample published on ``topic`` (an agent's samples topic)."""
+        sample_id = _sample_id(envelope)
         with self._lock:
-            self._receipts_topic = topic.rsplit("/", 1)[0] + "/receipts"
+            if self._topics is None:
+                self._topics = self._agent_topics(topic)
             self._ids.append(sample_id)
+            self.samples += 1
+
+    def _agent_topics(self, samples_topic: str) -> tuple[str, str]:
+        from shared.messages import Verdict, encode_message
+
+        base, fleet_agent = samples_topic.rsplit("/", 1)[0], samples_topic.split("/")
+        fleet, agent = fleet_agent[-3], fleet_agent[-2]
+        scores = [0.01] * 10
+        scores[3] = 0.91
+        verdict = Verdict(
+            sample_id=self._placeholder,
+            fleet=fleet,
+            agent=agent,
+            teacher_model="teacher",
+            teacher_version="1",
+            scores=scores,
+            label=3,
+            confidence=0.91,
+            agrees_with_edge=True,
+            verified_at=datetime.now(UTC),
+        )
+        self._template = encode_message(verdict)
+        return base + "/receipts", base + "/verdicts"
 
     def start(self) -> None:
         self._thread.start()
@@ -420,14 +488,75 @@ class _ReceiptingCloud:
     def _run(self) -> None:
         from shared.messages import Receipt, encode_message
 
+        placeholder = self._placeholder.encode()
         while not self._stop.wait(self.FLUSH_S):
             with self._lock:
                 ids, self._ids = self._ids, []
+                topics = self._topics
+            if not ids or topics is None:
+                continue
+            receipts, verdicts = topics
             for at in range(0, len(ids), self.MAX_IDS):
                 chunk = ids[at : at + self.MAX_IDS]
                 receipt = Receipt(sample_ids=chunk, stored_at=datetime.now(UTC))
-                assert self._on_message is not None
-                self._on_message(self._receipts_topic, encode_message(receipt))
+                self._send(receipts, encode_message(receipt))
+            for sample_id in ids:
+                self._send(verdicts, self._template.replace(placeholder, sample_id.encode()))
+
+
+class _StandInCloud:
+    """The agent's Publisher for the video bench: a stand-in for broker and verifier
+    that answers every forwarded sample as the verifier does (``_CloudAnswers``), in
+    the agent's process."""
+
+    connected = True
+    backlog = 0
+
+    def __init__(self) -> None:
+        self._on_message: Callable[[str, bytes], None] | None = None
+        self.answers = _CloudAnswers(self._deliver)
+
+    def set_handlers(
+        self, *, on_message: Callable[[str, bytes], None], on_connect: Callable[[], None]
+    ) -> None:
+        self._on_message = on_message
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+        if topic.endswith("/samples"):
+            self.answers.add(topic, payload)
+
+    def _deliver(self, topic: str, payload: bytes) -> None:
+        assert self._on_message is not None
+        self._on_message(topic, payload)
+
+    def start(self) -> None:
+        self.answers.start()
+
+    def stop(self) -> None:
+        self.answers.stop()
+
+
+def _cloud_main(broker: str, samples_topic: str, conn: Connection) -> None:
+    """Child process: the stand-in cloud on the real broker for the HTTP bench."""
+    from shared.mqtt import MqttTarget, make_client
+
+    target = MqttTarget.parse(broker)
+    client = make_client(target, client_id=f"bench-cloud-{os.getpid()}")
+    client.max_inflight_messages_set(1000)
+    client.max_queued_messages_set(0)
+    answers = _CloudAnswers(lambda topic, payload: client.publish(topic, payload, qos=1))
+    client.on_message = lambda _c, _u, message: answers.add(message.topic, message.payload)
+    client.connect(target.host, target.port)
+    client.subscribe(samples_topic, qos=1)
+    client.loop_start()
+    answers.start()
+    conn.send("ready")
+    cpu = time.process_time()
+    while conn.recv() != "stop":
+        conn.send((answers.samples, time.process_time() - cpu))
+    answers.stop()
+    client.disconnect()
+    client.loop_stop()
 
 
 def _video_window(model: Path, video: Path, window_s: float) -> dict[str, float]:
@@ -448,7 +577,7 @@ def _video_window(model: Path, video: Path, window_s: float) -> dict[str, float]
             cameras=[CameraSource(name="video", uri=str(video), max_fps=10_000.0)],
             **(_ROUTING_OFF_SETTINGS if ROUTING_OFF else {}),
         )
-        with Agent(settings, publisher=_ReceiptingCloud()) as agent:
+        with Agent(settings, publisher=_StandInCloud()) as agent:
             time.sleep(1.0)  # past the first frames
             start_frames, start = agent.telemetry.frames_total, time.perf_counter()
             cpu = time.process_time()
@@ -586,6 +715,7 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
                     http["raw_fps"],
                     http["http_vs_raw"],
                     http["client_cpu_share"],
+                    http["cloud_cpu_share"],
                     http["agent_cpu_share"],
                     http["agent_cpu_ms_per_frame"],
                     http["raw_decode_cpu_ms_per_frame"],
@@ -628,6 +758,7 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
                 "raw ORT fps (tensors; info)",
                 "HTTP / raw tensors (info)",
                 "load client CPU share",
+                "stand-in cloud CPU share",
                 "agent CPU share",
                 "agent CPU ms/frame",
                 "raw+decode CPU ms/frame",

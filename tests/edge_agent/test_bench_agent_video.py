@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -36,3 +37,34 @@ def test_video_rounds_report_the_agent_against_each_raw_loop(tmp_path: Path, cli
     assert figures["video_vs_raw_video"] > 0
     assert figures["video_vs_raw_video_serial"] > 0
     assert figures["video_dropped"] == 0  # a file source waits for room, it never drops
+
+
+def test_the_stand_in_cloud_receipts_and_answers_every_forwarded_sample(tmp_path: Path) -> None:
+    """The agent bench's stand-in for the verifier: the agent gets a receipt and a
+    verdict for each sample it forwards, and pays for handling both."""
+    import numpy as np
+
+    from edge_agent.agent import Agent
+    from edge_agent.settings import AgentSettings
+
+    settings = AgentSettings(
+        data_dir=tmp_path,
+        model_path=make_tiny_student(tmp_path / "student.onnx"),
+        fleet="bench",
+        agent_id="bench-video",
+        route_max_prob_below=1.01,  # forward every frame
+    )
+    cloud = bench_agent._StandInCloud()
+    frame = np.zeros((64, 64, 3), np.uint8)
+    with Agent(settings, publisher=cloud, start_sources=False) as agent:
+        ids = [agent.process(frame, source="test").sample_id for _ in range(5)]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (
+            agent.spool.depth or any(agent.sample(i).get("verdict") is None for i in ids)  # type: ignore[union-attr]
+        ):
+            time.sleep(0.02)
+        assert agent.spool.depth == 0  # every sample receipted
+        verdicts = [agent.sample(i)["verdict"] for i in ids]  # type: ignore[index]
+        assert [v["sample_id"] for v in verdicts] == ids
+        assert {v["agent"] for v in verdicts} == {"bench-video"}
+    assert cloud.answers.samples == 5
