@@ -5,8 +5,15 @@ MQTT v5 clean_start=False with a session expiry, or a 3.1.1 persistent session),
 QoS 1, a retained last will on the status topic, TCP_NODELAY (shared.make_client),
 and reconnects with exponential backoff and full jitter. Every paho call happens on
 its ``mqtt-io`` thread; other threads hand messages over through ``publish``, which
-only enqueues. While disconnected the outbox is emptied: samples come back from
-the spool (``on_connect`` makes them all due again), heartbeats are re-sent anyway.
+only enqueues and wakes that thread. While disconnected the outbox is emptied:
+samples come back from the spool (``on_connect`` makes them all due again),
+heartbeats are re-sent anyway.
+
+The thread runs paho's external-loop API (``loop_read``, ``loop_write``,
+``loop_misc``) on its own ``select``, which a publish wakes at once through the
+link's socket pair. paho's ``loop()`` would poll instead: a forwarded sample waited
+for its select timeout (50 ms here, 25 ms on average), and paho wrote to its own
+wake-up socket for every packet it queued, PUBACKs included.
 
 A broker's PUBACK is not delivery (see ARCHITECTURE.md, "Delivery is end to end"):
 nothing here deletes anything; the agent does that on the cloud's receipt.
@@ -15,8 +22,11 @@ nothing here deletes anything; the agent does that on the cloud's receipt.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import random
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -107,7 +117,11 @@ class MqttLink:
         self._outbox: collections.deque[tuple[str, bytes, int, bool]] = collections.deque(
             maxlen=max_outbox
         )
-        self._wake = threading.Event()
+        # publish() wakes the io thread's select through this pair, once per wake-up.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._wake_sent = False
         self._stopping = threading.Event()
         self._connected = threading.Event()
         self._thread: threading.Thread | None = None
@@ -147,7 +161,22 @@ class MqttLink:
 
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
         self._outbox.append((topic, payload, qos, retain))
-        self._wake.set()
+        self._signal()
+
+    def _signal(self) -> None:
+        """Wake the io thread's select (one byte until it has woken; never blocks)."""
+        if not self._wake_sent:
+            self._wake_sent = True
+            with contextlib.suppress(BlockingIOError, OSError):
+                self._wake_w.send(b"\0")
+
+    def _clear_wake(self) -> None:
+        # Read the pipe before clearing the flag: a publish in between then either
+        # finds the flag set and its message drained next, or sends a fresh byte.
+        with contextlib.suppress(BlockingIOError, OSError):
+            while self._wake_r.recv(4096):
+                pass
+        self._wake_sent = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="mqtt-io", daemon=True)
@@ -156,9 +185,12 @@ class MqttLink:
     def stop(self, timeout: float = 5.0) -> None:
         """Disconnect cleanly (the will is not sent then; the agent publishes 'offline' first)."""
         self._stopping.set()
-        self._wake.set()
+        self._signal()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self._wake_r.close()
+            self._wake_w.close()
 
     def flush(self, timeout: float) -> bool:
         """Wait until the outbox is handed to the socket (for the final 'offline' status)."""
@@ -235,16 +267,36 @@ class MqttLink:
                 log.debug("disconnect failed", exc_info=True)
 
     def _serve(self, client: mqtt.Client) -> None:
-        """Run the socket until it drops or stop() is called."""
+        """Run the socket until it drops or stop() is called (see the module docstring)."""
         while not self._stopping.is_set():
             if self._connected.is_set():
                 while self._outbox:
                     topic, payload, qos, retain = self._outbox.popleft()
+                    # Written to the socket at once (paho with no loop thread of its own).
                     info = client.publish(topic, payload, qos=qos, retain=retain)
                     if info.rc != mqtt.MQTT_ERR_SUCCESS and info.rc != mqtt.MQTT_ERR_NO_CONN:
                         log.warning("publish to %s failed: %s", topic, mqtt.error_string(info.rc))
                     self.published += 1
-            rc = client.loop(timeout=0.02 if self._outbox else 0.05)
+            sock = client.socket()
+            if sock is None:
+                self.last_error = "the connection closed"
+                return
+            if getattr(sock, "pending", lambda: 0)():  # TLS bytes already read and decrypted
+                readable: list[Any] = [sock]
+                writable: list[Any] = []
+            else:
+                wanted = [sock] if client.want_write() else []
+                # The timeout only paces keepalive pings (loop_misc); work wakes it.
+                readable, writable, _ = select.select([sock, self._wake_r], wanted, [], 1.0)
+            if self._wake_r in readable:
+                self._clear_wake()
+            rc = mqtt.MQTT_ERR_SUCCESS
+            if sock in readable:
+                rc = client.loop_read()
+            if rc == mqtt.MQTT_ERR_SUCCESS and sock in writable:
+                rc = client.loop_write()
+            if rc == mqtt.MQTT_ERR_SUCCESS:
+                rc = client.loop_misc()
             if rc != mqtt.MQTT_ERR_SUCCESS:
                 self.last_error = mqtt.error_string(rc)
                 return

@@ -298,3 +298,45 @@ def test_enrollment_issues_broker_credentials_that_work(
         agent.close()
     assert BrokerFiles(secure_broker.files.password_file, secure_broker.files.acl_file)
     assert "user fleet-a.cam-9" in secure_broker.files.acl_file.read_text()
+
+
+def test_the_agents_link_publishes_and_receives_over_tls(secure_broker: SecureBroker) -> None:
+    """The agent's MQTT link (its own select over paho's external-loop calls) with TLS:
+    a sample larger than a TLS record goes out, a burst of verdicts comes back (TLS
+    bytes already decrypted are read without waiting in select)."""
+    from edge_agent.uplink import MqttLink
+    from shared.mqtt import MqttTarget
+
+    user, password = add_agent(secure_broker.files, "fleet-a", "cam-t", TOPICS)
+    time.sleep(0.3)  # SIGHUP reload
+    ca = secure_broker.folder / "ca.crt"
+    verifier = Client(secure_broker.tls_port, "edgeloop-verifier", "verifier-pw", ca_file=ca)
+    target = MqttTarget.parse(
+        f"mqtts://127.0.0.1:{secure_broker.tls_port}",
+        username=user,
+        password=password,
+        ca_file=str(ca),
+    )
+    received: list[tuple[str, bytes]] = []
+    link = MqttLink(target, client_id=user, subscriptions=[TOPICS.verdicts("fleet-a", "cam-t")])
+    link.set_handlers(
+        on_message=lambda topic, payload: received.append((topic, payload)),
+        on_connect=lambda: None,
+    )
+    link.start()
+    try:
+        assert verifier.connected.is_set()
+        verifier.subscribe("$share/verifiers/edgeloop/v1/+/+/samples")
+        assert _wait(lambda: link.connected, 10)
+        time.sleep(0.3)  # the link's own subscription
+        sample = bytes(range(256)) * 240  # 60 KB: several TLS records
+        link.publish(TOPICS.samples("fleet-a", "cam-t"), sample)
+        assert _wait(lambda: (TOPICS.samples("fleet-a", "cam-t"), sample) in verifier.received)
+        verdicts = [b"verdict-%d" % i for i in range(20)]
+        for verdict in verdicts:
+            verifier.client.publish(TOPICS.verdicts("fleet-a", "cam-t"), verdict, qos=1)
+        assert _wait(lambda: len(received) == len(verdicts), 10)
+        assert [payload for _, payload in received] == verdicts
+    finally:
+        link.stop()
+        verifier.close()
