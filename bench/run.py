@@ -20,7 +20,7 @@ from typing import Any
 
 from bench.common import machine_info
 
-SECTIONS = ["envelope", "models", "agent", "spool", "cloud", "delivery", "ui", "gpu"]
+SECTIONS = ["envelope", "models", "agent", "spool", "uplink", "cloud", "delivery", "ui", "gpu"]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
