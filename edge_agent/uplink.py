@@ -10,10 +10,13 @@ samples come back from the spool (``on_connect`` makes them all due again),
 heartbeats are re-sent anyway.
 
 The thread runs paho's external-loop API (``loop_read``, ``loop_write``,
-``loop_misc``) on its own ``select``, which a publish wakes at once through the
-link's socket pair. paho's ``loop()`` would poll instead: a forwarded sample waited
-for its select timeout (50 ms here, 25 ms on average), and paho wrote to its own
-wake-up socket for every packet it queued, PUBACKs included.
+``loop_misc``) on its own ``select``. A publish on an idle link wakes it at once
+through the link's socket pair; while a publish awaits its PUBACK, that PUBACK
+wakes the thread within a round trip and later publishes ride along (a wake-up for
+each cost the agent ~6% more CPU per frame when it forwarded 14% of ~700 frames/s;
+20 ms at most if the PUBACK is slow). paho's ``loop()`` polled instead: a sample
+forwarded on an idle link waited for the select timeout (25 ms on average), and
+paho wrote to its own wake-up socket for every packet it queued.
 
 A broker's PUBACK is not delivery (see ARCHITECTURE.md, "Delivery is end to end"):
 nothing here deletes anything; the agent does that on the cloud's receipt.
@@ -122,6 +125,7 @@ class MqttLink:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._wake_sent = False
+        self._awaiting_puback: set[int] = set()  # mids of QoS 1 publishes (io thread)
         self._stopping = threading.Event()
         self._connected = threading.Event()
         self._thread: threading.Thread | None = None
@@ -161,7 +165,8 @@ class MqttLink:
 
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
         self._outbox.append((topic, payload, qos, retain))
-        self._signal()
+        if not self._awaiting_puback:  # else its PUBACK wakes the io thread shortly
+            self._signal()
 
     def _signal(self) -> None:
         """Wake the io thread's select (one byte until it has woken; never blocks)."""
@@ -215,6 +220,7 @@ class MqttLink:
         client.on_connect = self._handle_connect
         client.on_disconnect = self._handle_disconnect
         client.on_message = self._handle_message
+        client.on_publish = self._handle_published
         return client
 
     def _connect(self) -> mqtt.Client:
@@ -261,8 +267,9 @@ class MqttLink:
         last = self._client
         if last is not None:
             try:
-                last.disconnect()
-                last.loop(0.1)
+                last.disconnect()  # written at once (no paho loop thread); closes the socket
+                if last.want_write():
+                    last.loop_write()
             except Exception:  # best effort on the way out
                 log.debug("disconnect failed", exc_info=True)
 
@@ -274,6 +281,8 @@ class MqttLink:
                     topic, payload, qos, retain = self._outbox.popleft()
                     # Written to the socket at once (paho with no loop thread of its own).
                     info = client.publish(topic, payload, qos=qos, retain=retain)
+                    if qos and info.rc == mqtt.MQTT_ERR_SUCCESS:
+                        self._awaiting_puback.add(info.mid)
                     if info.rc != mqtt.MQTT_ERR_SUCCESS and info.rc != mqtt.MQTT_ERR_NO_CONN:
                         log.warning("publish to %s failed: %s", topic, mqtt.error_string(info.rc))
                     self.published += 1
@@ -286,8 +295,10 @@ class MqttLink:
                 writable: list[Any] = []
             else:
                 wanted = [sock] if client.want_write() else []
-                # The timeout only paces keepalive pings (loop_misc); work wakes it.
-                readable, writable, _ = select.select([sock, self._wake_r], wanted, [], 1.0)
+                # Work wakes the select; the timeout paces keepalive pings (loop_misc)
+                # and bounds the wait of a publish that counted on a PUBACK.
+                timeout = 0.02 if self._outbox else 1.0
+                readable, writable, _ = select.select([sock, self._wake_r], wanted, [], timeout)
             if self._wake_r in readable:
                 self._clear_wake()
             rc = mqtt.MQTT_ERR_SUCCESS
@@ -323,6 +334,11 @@ class MqttLink:
         if self._connected.is_set():
             self.disconnects += 1
         self._connected.clear()
+        self._awaiting_puback.clear()  # the spool publishes them again on reconnect
+
+    def _handle_published(self, client: mqtt.Client, userdata: Any, mid: int, *args: Any) -> None:
+        # A PUBACK for QoS 1 (paho also reports a QoS 0 message once it is written).
+        self._awaiting_puback.discard(mid)
 
     def _handle_message(
         self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage
