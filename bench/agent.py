@@ -28,9 +28,9 @@ are reported too, as they depend much less on what else the host runs.
 
 The agent runs with its default routing (max probability below 0.6, 1% audit)
 and forwards to the local Mosquitto when one answers (otherwise it spools, and no
-stand-in answers). The
-model is the tiny test student scaled up to a camera-like input (160x160, 48
-channels); the reference INT8 student from ``distill.cache`` is added when present.
+stand-in answers). The model is the tiny test student scaled up to a camera-like
+input (160x160, 48 channels); the reference INT8 student from ``distill.cache`` is
+added when present.
 Resident memory is the RSS of the ``edge-agent run`` process with the student
 loaded, after serving.
 """
@@ -78,12 +78,15 @@ _ROUTING_OFF_SETTINGS: dict[str, Any] = {"route_max_prob_below": 0.0, "audit_sha
 TOPIC_PREFIX = "edgeloop-bench/v1"
 
 
+_NO_BROKER = "mqtt://127.0.0.1:9"  # nothing there: the agent spools and keeps answering
+
+
 def _broker_url() -> str:
     try:
         with socket.create_connection(("127.0.0.1", 1883), timeout=0.3):
             return "mqtt://127.0.0.1:1883"
     except OSError:
-        return "mqtt://127.0.0.1:9"  # nothing there: the agent spools and keeps answering
+        return _NO_BROKER
 
 
 def _frames(n: int, width: int = 320, height: int = 240) -> list[bytes]:
@@ -341,7 +344,7 @@ def _http(model: Path, jpegs: list[bytes], repeats: int, workdir: Path) -> dict[
             time.sleep(0.1)
         agent = psutil.Process(process.pid)
         broker = _broker_url()
-        if not broker.endswith(":9"):  # a broker answers: the stand-in cloud answers samples
+        if broker != _NO_BROKER:  # the stand-in cloud answers the samples the agent forwards
             samples_topic = Topics(prefix=TOPIC_PREFIX).samples("bench", "bench-agent")
             cloud = context.Process(
                 target=_cloud_main, args=(broker, samples_topic, cloud_child), name="bench-cloud"
@@ -440,7 +443,7 @@ class _CloudAnswers:
         self._send = send
         self._ids: list[str] = []
         self._topics: tuple[str, str] | None = None  # (receipts, verdicts)
-        self._placeholder = new_sample_id()
+        self._template_id = new_sample_id()
         self._template = b""
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -464,7 +467,7 @@ class _CloudAnswers:
         scores = [0.01] * 10
         scores[3] = 0.91
         verdict = Verdict(
-            sample_id=self._placeholder,
+            sample_id=self._template_id,
             fleet=fleet,
             agent=agent,
             teacher_model="teacher",
@@ -488,7 +491,7 @@ class _CloudAnswers:
     def _run(self) -> None:
         from shared.messages import Receipt, encode_message
 
-        placeholder = self._placeholder.encode()
+        template_id = self._template_id.encode()
         while not self._stop.wait(self.FLUSH_S):
             with self._lock:
                 ids, self._ids = self._ids, []
@@ -501,7 +504,7 @@ class _CloudAnswers:
                 receipt = Receipt(sample_ids=chunk, stored_at=datetime.now(UTC))
                 self._send(receipts, encode_message(receipt))
             for sample_id in ids:
-                self._send(verdicts, self._template.replace(placeholder, sample_id.encode()))
+                self._send(verdicts, self._template.replace(template_id, sample_id.encode()))
 
 
 class _StandInCloud:

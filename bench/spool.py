@@ -44,10 +44,12 @@ def _transactions(samples: int, seed: int = 0) -> list[int]:
     """Samples per spool transaction: the forwarded frames of each batch that has any."""
     rng = random.Random(seed)
     sizes: list[int] = []
-    while sum(sizes) < samples:
-        forwarded = sum(rng.random() < FORWARD_SHARE for _ in range(BATCH))
+    left = samples
+    while left > 0:
+        forwarded = min(left, sum(rng.random() < FORWARD_SHARE for _ in range(BATCH)))
         if forwarded:
-            sizes.append(min(forwarded, samples - sum(sizes)))
+            sizes.append(forwarded)
+            left -= forwarded
     return sizes
 
 

@@ -1122,6 +1122,7 @@ class Agent:
             "updates": self.updater.status(),
             "spool": asdict(spool),
             "spool_errors": self.spool_errors,
+            "verdict_write_errors": self.verdicts.write_errors,
             "over_budget": self.router.over_budget,
             "sources": [src.status() for src in self._sources],
             "uptime_s": round(time.monotonic() - self.started_at, 1),

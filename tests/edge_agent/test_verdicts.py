@@ -226,6 +226,7 @@ def test_verdict_retention_is_bounded(
         for sample_id in ids:
             publisher.deliver(agent.topic_verdicts, _verdict(sample_id, 1))
         assert agent.verdicts.count() == 2
+        assert agent.status()["verdict_write_errors"] == 0
     with Agent(settings, engine=engine, publisher=MemoryPublisher()) as again:  # type: ignore[arg-type]
         assert again.sample(ids[0]) is None
         assert [again.sample(i)["verdict"]["sample_id"] for i in ids[1:]] == ids[1:]  # type: ignore[index]
