@@ -188,8 +188,6 @@ class EmbeddedBroker:
         self.stop()
 
     def _run(self) -> None:
-        from amqtt.broker import Broker  # imported here: only the embedded mode needs it
-
         loop = asyncio.new_event_loop()
         self._loop = loop
         asyncio.set_event_loop(loop)
@@ -201,7 +199,7 @@ class EmbeddedBroker:
             },
         }
         try:
-            self._broker = Broker(config, loop=loop)
+            self._broker = _closing_broker()(config, loop=loop)
             loop.run_until_complete(self._broker.start())
         except BaseException as exc:  # reported to start() in the caller's thread
             self._error = exc
@@ -212,4 +210,43 @@ class EmbeddedBroker:
         try:
             loop.run_forever()
         finally:
+            _close_leftovers(loop)
             loop.close()
+
+
+def _closing_broker() -> type[Any]:
+    """amqtt's broker, closing each connection when its handler ends.
+
+    amqtt leaves the connection open when it ends before a valid CONNECT (a port
+    probe, a refused protocol version); its writer, garbage-collected later, warns
+    ("unclosed StreamWriter", or "loop is closed" once the broker has stopped) in
+    whatever code runs then. Imported here: only the embedded mode needs amqtt.
+    """
+    from amqtt.broker import Broker
+
+    class ClosingBroker(Broker):
+        async def stream_connected(
+            self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, listener_name: str
+        ) -> None:
+            try:
+                await super().stream_connected(reader, writer, listener_name)
+            finally:
+                if not writer.is_closing():
+                    writer.close()
+
+    return ClosingBroker
+
+
+def _close_leftovers(loop: asyncio.AbstractEventLoop) -> None:
+    """Before the broker's loop closes: end its tasks and close the connections still
+    open (clients that never disconnected), so none is left for the garbage collector."""
+    tasks = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    # A selector loop's transports by file descriptor (CPython's; absent elsewhere).
+    for transport in list(getattr(loop, "_transports", {}).values()):
+        if transport is not None and not transport.is_closing():
+            transport.close()
+    loop.run_until_complete(asyncio.sleep(0))  # let the close callbacks run

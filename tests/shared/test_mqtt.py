@@ -96,3 +96,33 @@ def test_target_parsing_hides_passwords() -> None:
         True,
     )
     assert "p@ss" not in repr(target)
+
+
+def test_the_embedded_broker_leaves_no_connection_open() -> None:
+    """amqtt keeps a connection open when it ends before a valid CONNECT (a port
+    probe, a refused protocol version): the embedded broker closes it, and closes what
+    is still open when it stops, so no writer is left for the garbage collector (which
+    warns, in whatever code runs then)."""
+    import gc
+    import sys
+    import time
+    import warnings
+
+    unraisable: list[Any] = []
+    with warnings.catch_warnings(record=True) as recorded:
+        warnings.simplefilter("always")
+        hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+        try:
+            broker = EmbeddedBroker().start()
+            socket.create_connection((broker.host, broker.port)).close()  # a port probe
+            assert negotiate_protocol(MqttTarget.parse(broker.url)) == "3.1.1"  # v5 refused
+            stays = socket.create_connection((broker.host, broker.port))  # open at the stop
+            time.sleep(0.3)
+            broker.stop()
+            stays.close()
+            gc.collect()
+        finally:
+            sys.unraisablehook = hook
+    leaks = [str(w.message) for w in recorded if issubclass(w.category, ResourceWarning)]
+    assert leaks == []
+    assert unraisable == []
