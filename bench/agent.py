@@ -76,6 +76,7 @@ DECODE_THREADS = 2  # the agent's http_decode_threads, and the baseline's decode
 ROUTING_OFF = os.environ.get("BENCH_ROUTING", "default") == "off"
 _ROUTING_OFF_SETTINGS: dict[str, Any] = {"route_max_prob_below": 0.0, "audit_share": 0.0}
 TOPIC_PREFIX = "edgeloop-bench/v1"
+FLEET, HTTP_AGENT = "bench", "bench-agent"  # the HTTP bench's agent, for its stand-in cloud
 
 
 _NO_BROKER = "mqtt://127.0.0.1:9"  # nothing there: the agent spools and keeps answering
@@ -201,7 +202,7 @@ def _write_config(workdir: Path, model: Path, port: int) -> Path:
     config = workdir / "agent.toml"
     config.write_text(
         f'data_dir = "{workdir}"\nmodel_path = "{model}"\nhttp_port = {port}\n'
-        f'mqtt_url = "{_broker_url()}"\nfleet = "bench"\nagent_id = "bench-agent"\n'
+        f'mqtt_url = "{_broker_url()}"\nfleet = "{FLEET}"\nagent_id = "{HTTP_AGENT}"\n'
         f"max_batch = {MAX_BATCH}\nmax_wait_ms = 2.0\nheartbeat_s = 5.0\n"
         f"intra_op_threads = {INTRA_OP_THREADS}\nhttp_decode_threads = {DECODE_THREADS}\n"
         f"ort_spinning = {str(SPINNING).lower()}\n"
@@ -345,9 +346,10 @@ def _http(model: Path, jpegs: list[bytes], repeats: int, workdir: Path) -> dict[
         agent = psutil.Process(process.pid)
         broker = _broker_url()
         if broker != _NO_BROKER:  # the stand-in cloud answers the samples the agent forwards
-            samples_topic = Topics(prefix=TOPIC_PREFIX).samples("bench", "bench-agent")
             cloud = context.Process(
-                target=_cloud_main, args=(broker, samples_topic, cloud_child), name="bench-cloud"
+                target=_cloud_main,
+                args=(broker, FLEET, HTTP_AGENT, cloud_child),
+                name="bench-cloud",
             )
             cloud.start()
             if _answer(cloud_parent, cloud) != "ready":
@@ -437,49 +439,44 @@ class _CloudAnswers:
     FLUSH_S = 0.05
     MAX_IDS = 100
 
-    def __init__(self, send: Callable[[str, bytes], object]) -> None:
+    def __init__(
+        self, send: Callable[[str, bytes], object], topics: Topics, fleet: str, agent: str
+    ) -> None:
         from shared.ids import new_sample_id
+        from shared.messages import Verdict, encode_message
 
         self._send = send
-        self._ids: list[str] = []
-        self._topics: tuple[str, str] | None = None  # (receipts, verdicts)
+        self._receipts = topics.receipts(fleet, agent)
+        self._verdicts = topics.verdicts(fleet, agent)
         self._template_id = new_sample_id()
-        self._template = b""
+        scores = [0.01] * 10
+        scores[3] = 0.91
+        self._template = encode_message(
+            Verdict(
+                sample_id=self._template_id,
+                fleet=fleet,
+                agent=agent,
+                teacher_model="teacher",
+                teacher_version="1",
+                scores=scores,
+                label=3,
+                confidence=0.91,
+                agrees_with_edge=True,
+                verified_at=datetime.now(UTC),
+            )
+        )
+        self._ids: list[str] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-cloud", daemon=True)
         self.samples = 0
 
-    def add(self, topic: str, envelope: bytes | bytearray) -> None:
-        """Note a sample published on ``topic`` (an agent's samples topic)."""
+    def add(self, envelope: bytes | bytearray) -> None:
+        """Note a sample the agent published."""
         sample_id = _sample_id(envelope)
         with self._lock:
-            if self._topics is None:
-                self._topics = self._agent_topics(topic)
             self._ids.append(sample_id)
             self.samples += 1
-
-    def _agent_topics(self, samples_topic: str) -> tuple[str, str]:
-        from shared.messages import Verdict, encode_message
-
-        base, fleet_agent = samples_topic.rsplit("/", 1)[0], samples_topic.split("/")
-        fleet, agent = fleet_agent[-3], fleet_agent[-2]
-        scores = [0.01] * 10
-        scores[3] = 0.91
-        verdict = Verdict(
-            sample_id=self._template_id,
-            fleet=fleet,
-            agent=agent,
-            teacher_model="teacher",
-            teacher_version="1",
-            scores=scores,
-            label=3,
-            confidence=0.91,
-            agrees_with_edge=True,
-            verified_at=datetime.now(UTC),
-        )
-        self._template = encode_message(verdict)
-        return base + "/receipts", base + "/verdicts"
 
     def start(self) -> None:
         self._thread.start()
@@ -495,16 +492,12 @@ class _CloudAnswers:
         while not self._stop.wait(self.FLUSH_S):
             with self._lock:
                 ids, self._ids = self._ids, []
-                topics = self._topics
-            if not ids or topics is None:
-                continue
-            receipts, verdicts = topics
             for at in range(0, len(ids), self.MAX_IDS):
                 chunk = ids[at : at + self.MAX_IDS]
                 receipt = Receipt(sample_ids=chunk, stored_at=datetime.now(UTC))
-                self._send(receipts, encode_message(receipt))
+                self._send(self._receipts, encode_message(receipt))
             for sample_id in ids:
-                self._send(verdicts, self._template.replace(template_id, sample_id.encode()))
+                self._send(self._verdicts, self._template.replace(template_id, sample_id.encode()))
 
 
 class _StandInCloud:
@@ -515,9 +508,9 @@ class _StandInCloud:
     connected = True
     backlog = 0
 
-    def __init__(self) -> None:
+    def __init__(self, topics: Topics, fleet: str, agent: str) -> None:
         self._on_message: Callable[[str, bytes], None] | None = None
-        self.answers = _CloudAnswers(self._deliver)
+        self.answers = _CloudAnswers(self._deliver, topics, fleet, agent)
 
     def set_handlers(
         self, *, on_message: Callable[[str, bytes], None], on_connect: Callable[[], None]
@@ -526,7 +519,7 @@ class _StandInCloud:
 
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
         if topic.endswith("/samples"):
-            self.answers.add(topic, payload)
+            self.answers.add(payload)
 
     def _deliver(self, topic: str, payload: bytes) -> None:
         assert self._on_message is not None
@@ -539,18 +532,21 @@ class _StandInCloud:
         self.answers.stop()
 
 
-def _cloud_main(broker: str, samples_topic: str, conn: Connection) -> None:
+def _cloud_main(broker: str, fleet: str, agent: str, conn: Connection) -> None:
     """Child process: the stand-in cloud on the real broker for the HTTP bench."""
     from shared.mqtt import MqttTarget, make_client
 
+    topics = Topics(prefix=TOPIC_PREFIX)
     target = MqttTarget.parse(broker)
     client = make_client(target, client_id=f"bench-cloud-{os.getpid()}")
     client.max_inflight_messages_set(1000)
     client.max_queued_messages_set(0)
-    answers = _CloudAnswers(lambda topic, payload: client.publish(topic, payload, qos=1))
-    client.on_message = lambda _c, _u, message: answers.add(message.topic, message.payload)
+    answers = _CloudAnswers(
+        lambda topic, payload: client.publish(topic, payload, qos=1), topics, fleet, agent
+    )
+    client.on_message = lambda _c, _u, message: answers.add(message.payload)
     client.connect(target.host, target.port)
-    client.subscribe(samples_topic, qos=1)
+    client.subscribe(topics.samples(fleet, agent), qos=1)
     client.loop_start()
     answers.start()
     conn.send("ready")
@@ -580,7 +576,8 @@ def _video_window(model: Path, video: Path, window_s: float) -> dict[str, float]
             cameras=[CameraSource(name="video", uri=str(video), max_fps=10_000.0)],
             **(_ROUTING_OFF_SETTINGS if ROUTING_OFF else {}),
         )
-        with Agent(settings, publisher=_StandInCloud()) as agent:
+        cloud = _StandInCloud(settings.topics, settings.fleet, settings.agent_id)
+        with Agent(settings, publisher=cloud) as agent:
             time.sleep(1.0)  # past the first frames
             start_frames, start = agent.telemetry.frames_total, time.perf_counter()
             cpu = time.process_time()

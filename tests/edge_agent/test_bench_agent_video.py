@@ -54,7 +54,7 @@ def test_the_stand_in_cloud_receipts_and_answers_every_forwarded_sample(tmp_path
         agent_id="bench-video",
         route_max_prob_below=1.01,  # forward every frame
     )
-    cloud = bench_agent._StandInCloud()
+    cloud = bench_agent._StandInCloud(settings.topics, settings.fleet, settings.agent_id)
     frame = np.zeros((64, 64, 3), np.uint8)
     with Agent(settings, publisher=cloud, start_sources=False) as agent:
         ids = [agent.process(frame, source="test").sample_id for _ in range(5)]
