@@ -1,0 +1,79 @@
+"""The cloud benchmark's pacing and CPU accounting."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bench import cloud as bench_cloud
+
+
+class _Recorder:
+    """Stands in for a paho client: records what was published, and when."""
+
+    def __init__(self) -> None:
+        self.published: list[bytes] = []
+
+    def publish(self, topic: str, payload: bytes, qos: int) -> None:
+        assert qos == 1
+        self.published.append(payload)
+
+
+def test_a_paced_publisher_never_runs_more_than_its_lead_ahead() -> None:
+    client = _Recorder()
+    done = [0]
+    leads: list[int] = []
+
+    def arrived() -> int:
+        # The receiving side takes one message each time the publisher looks.
+        done[0] = min(done[0] + 1, len(client.published))
+        leads.append(len(client.published) - done[0])
+        return done[0]
+
+    payloads = [bytes([i]) for i in range(50)]
+    bench_cloud._publish_paced(client, "t", payloads, arrived, lead=5)  # type: ignore[arg-type]
+    assert client.published == payloads
+    assert max(leads) <= 5
+
+
+def test_machine_cpu_counts_this_process_and_the_machine_per_message() -> None:
+    cpu = bench_cloud.MachineCpu()
+    cpu.start()
+    deadline = time.process_time() + 0.2
+    spin: Any = 0
+    while time.process_time() < deadline:
+        spin += 1
+    used = cpu.stop(10)
+    assert set(used) == {
+        "this process",
+        "mosquitto",
+        "postgresql",
+        "machine",
+        "cores busy",
+        "cores",
+    }
+    assert used["this process"] >= 19.0  # 200 ms of CPU over 10 messages
+    assert used["machine"] >= 0.9 * used["this process"]
+    assert 0 < used["cores busy"] <= used["cores"] + 0.1
+    assert used["mosquitto"] >= 0 and used["postgresql"] >= 0
+
+
+def test_the_cpu_table_shows_the_goal_budget_beside_the_teacher() -> None:
+    per = {
+        "this process": 3.0,
+        "mosquitto": 0.1,
+        "postgresql": 0.2,
+        "machine": 3.4,
+        "cores busy": 1.5,
+        "cores": 2.0,
+    }
+    table = bench_cloud._cpu_table(
+        {
+            "e2e_cpu_ms_per_sample": per,
+            "raw_cpu_ms_per_msg": per,
+            "teacher_cpu_ms_per_sample": 0.5,
+            "goal_cpu_budget_ms_per_sample": 1.8,
+        }
+    )
+    assert "| cores busy | 1.50 of 2 | 1.50 of 2 |" in table
+    assert "0.5 of the raw rate allows" in table and "| 1.8 |" in table
