@@ -34,14 +34,20 @@ app.add_typer(users_app, name="users")
 HostOption = typer.Option(None, "--host", help="Address to listen on (settings: http_host).")
 
 
-def _serve(which: str, config: Path | None, host: str | None, port: int | None) -> None:
+def _serve(
+    which: str, config: Path | None, host: str | None, port: int | None, workers: int | None = None
+) -> None:
     from cloud_service import service
 
     settings = load_settings(CloudSettings, config)
-    run = {"api": service.run_api, "verifier": service.run_verifier, "all": service.run_all}[which]
     default_port = settings.http_port + (1 if which == "verifier" else 0)
+    host, port = host or settings.http_host, default_port if port is None else port
     try:
-        run(settings, host=host or settings.http_host, port=default_port if port is None else port)
+        if which == "verifier":
+            count = settings.verifier_workers if workers is None else workers
+            service.run_verifiers(settings, host=host, port=port, workers=count)
+        else:
+            {"api": service.run_api, "all": service.run_all}[which](settings, host=host, port=port)
     except EdgeLoopError as exc:
         fail(exc.message)
 
@@ -61,11 +67,21 @@ def verifier_command(
     config: Path | None = ConfigOption,
     host: str | None = HostOption,
     port: int | None = typer.Option(
-        None, "--port", help="Port of /healthz, /readyz, /metrics (settings: http_port + 1)."
+        None,
+        "--port",
+        help="Port of /healthz, /readyz, /metrics (settings: http_port + 1); worker i: port + i.",
+    ),
+    workers: int | None = typer.Option(
+        None,
+        "--workers",
+        min=1,
+        max=64,
+        help="Verifier processes on this host, splitting the samples through the broker's"
+        " MQTT v5 shared subscription (settings: verifier_workers).",
     ),
 ) -> None:
     """Run MQTT ingest and the teacher with dynamic batching."""
-    _serve("verifier", config, host, port)
+    _serve("verifier", config, host, port, workers)
 
 
 @app.command("all")

@@ -5,21 +5,38 @@ stop, after which the verifier (if any) stops taking messages, finishes the
 batches in hand, flushes receipts and disconnects. Work not finished is safe: a
 message is acked only once stored, and stored samples without a verdict are
 picked up again at the next start.
+
+``cloud-service verifier --workers N`` runs N verifier processes under one
+supervisor (``run_verifiers``). One process's Python threads share one
+interpreter lock, which its MQTT, storage and verdict work fill long before the
+cores or the GPU are busy; N processes on the broker's shared subscription split
+the samples between them, each with its own lock. The supervisor starts a worker
+again when it dies and stops them all on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
 import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.context import SpawnProcess
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
 from cloud_service.api.app import create_app
+from cloud_service.db.session import upgrade_database
 from cloud_service.settings import CloudSettings
 from cloud_service.worker import VerifierWorker
+from shared.errors import ConfigError
+from shared.mqtt import negotiate_protocol
 
-__all__ = ["run_all", "run_api", "run_verifier"]
+__all__ = ["run_all", "run_api", "run_verifier", "run_verifiers", "worker_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -60,3 +77,140 @@ def run_all(settings: CloudSettings, *, host: str, port: int) -> None:
         _serve(create_app(settings, worker=worker), host, port, settings.log_level)
     finally:
         worker.stop()
+
+
+def worker_settings(settings: CloudSettings, index: int, workers: int) -> CloudSettings:
+    """The settings of verifier ``index`` of ``workers`` on one host.
+
+    Worker 0 keeps the configured MQTT client id (so going from one verifier to
+    several keeps its broker session); worker i adds ``-w{i}``. When ONNX Runtime
+    picks its own thread count (``ort_intra_op_threads = 0``), the cores are split
+    between the workers instead of each taking them all.
+    """
+    if workers == 1:
+        return settings
+    update: dict[str, Any] = {
+        "verifier_workers": 1,
+        "verifier_client_id": (
+            settings.verifier_client_id if index == 0 else f"{settings.verifier_client_id}-w{index}"
+        ),
+    }
+    if settings.ort_intra_op_threads == 0:
+        update["ort_intra_op_threads"] = max(1, (os.cpu_count() or 1) // workers)
+    return settings.model_copy(update=update)
+
+
+def _verifier_process(settings: CloudSettings, host: str, port: int) -> None:
+    from shared.console import configure_logging
+
+    configure_logging(settings.log_level)
+    run_verifier(settings, host=host, port=port)
+
+
+@dataclass
+class _Slot:
+    """One worker's place under the supervisor: its process and its restart backoff."""
+
+    index: int
+    process: SpawnProcess | None = None
+    started_at: float = 0.0
+    restart_at: float = 0.0
+    backoff_s: float = 1.0
+    restarts: int = field(default=0)
+
+
+# A worker that ran this long before dying is started again after the shortest wait.
+_HEALTHY_RUN_S = 60.0
+_MAX_BACKOFF_S = 30.0
+_STOP_TIMEOUT_S = 30.0
+
+
+def run_verifiers(settings: CloudSettings, *, host: str, port: int, workers: int) -> None:
+    """``workers`` verifier processes; worker i serves /healthz, /readyz and /metrics
+    on ``port + i``. Returns once every worker has stopped (SIGTERM/SIGINT)."""
+    if workers == 1:
+        run_verifier(settings, host=host, port=port)
+        return
+    url = settings.resolved_database_url
+    if url.startswith("sqlite"):
+        raise ConfigError(
+            f"{workers} verifier workers need PostgreSQL (database_url): SQLite takes one"
+            " writer at a time, so run one worker on it"
+        )
+    protocol = negotiate_protocol(settings.mqtt)
+    if protocol != "5":
+        raise ConfigError(
+            f"{workers} verifier workers need a broker that speaks MQTT v5 (shared"
+            f" subscriptions split the samples between them); the broker at"
+            f" {settings.mqtt.host}:{settings.mqtt.port} speaks {protocol}: run one worker"
+        )
+    # Once here, so the workers find the schema current instead of racing to upgrade it.
+    upgrade_database(url)
+    stop = threading.Event()
+    previous = {
+        signum: signal.signal(signum, lambda *_: stop.set())
+        for signum in (signal.SIGTERM, signal.SIGINT)
+    }
+    context = multiprocessing.get_context("spawn")
+    slots = [_Slot(i) for i in range(workers)]
+
+    def start(slot: _Slot) -> None:
+        process = context.Process(
+            target=_verifier_process,
+            args=(worker_settings(settings, slot.index, workers), host, port + slot.index),
+            name=f"verifier-{slot.index}",
+        )
+        process.start()
+        slot.process, slot.started_at = process, time.monotonic()
+        log.info(
+            "verifier worker %d started (pid %s, health on port %d)",
+            slot.index,
+            process.pid,
+            port + slot.index,
+        )
+
+    try:
+        for slot in slots:
+            start(slot)
+        while not stop.wait(0.5):
+            now = time.monotonic()
+            for slot in slots:
+                process = slot.process
+                if process is not None and process.is_alive():
+                    continue
+                if process is not None:  # it died: wait, then start it again
+                    ran = now - slot.started_at
+                    slot.backoff_s = (
+                        1.0 if ran >= _HEALTHY_RUN_S else min(slot.backoff_s * 2, _MAX_BACKOFF_S)
+                    )
+                    slot.restart_at = now + slot.backoff_s
+                    slot.process = None
+                    log.warning(
+                        "verifier worker %d exited with code %s after %.0f s; starting it"
+                        " again in %.0f s",
+                        slot.index,
+                        process.exitcode,
+                        ran,
+                        slot.backoff_s,
+                    )
+                elif now >= slot.restart_at:
+                    slot.restarts += 1
+                    start(slot)
+    finally:
+        _stop_all([slot.process for slot in slots if slot.process is not None])
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _stop_all(processes: list[SpawnProcess]) -> None:
+    """SIGTERM each worker (each stops in order, as one verifier does), then wait."""
+    for process in processes:
+        if process.is_alive() and process.pid is not None:
+            os.kill(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + _STOP_TIMEOUT_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            log.error("verifier worker %s did not stop in time; killing it", process.name)
+            process.kill()
+            process.join(5)

@@ -36,6 +36,12 @@ class CloudSettings(EdgeLoopSettings):
         default="edgeloop-verifier-1",
         description="MQTT client id; stable, so the broker keeps the session across restarts",
     )
+    verifier_workers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="verifier processes on this host (more than 1 needs an MQTT v5 broker)",
+    )
     mqtt_session_expiry_s: int = Field(
         default=3600, ge=0, description="how long the broker keeps the verifier's session offline"
     )

@@ -47,12 +47,17 @@ def load_settings(cls: type[S], config: Path | None, **overrides: Any) -> S:
         settings = cls.load(config, **overrides)
     except EdgeLoopError as exc:
         fail(exc.message)
+    configure_logging(settings.log_level)
+    return settings
+
+
+def configure_logging(level: str) -> None:
+    """Log to stderr through rich, as every command line does (also in a spawned worker)."""
     logging.basicConfig(
-        level=settings.log_level,
+        level=level,
         format="%(message)s",
         handlers=[RichHandler(console=err_console, show_path=False, rich_tracebacks=True)],
     )
-    return settings
 
 
 def print_json(data: Any) -> None:
