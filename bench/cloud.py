@@ -30,10 +30,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -54,6 +58,7 @@ from cloud_service.demo_teacher import build_demo_teacher
 from cloud_service.settings import CloudSettings
 from cloud_service.verifier import TeacherModel
 from cloud_service.worker import VerifierWorker
+from shared.broker import free_port
 from shared.envelope import EnvelopeLimits, decode_envelope, encode_envelope
 from shared.ids import new_sample_id
 from shared.mqtt import MqttTarget, make_client, negotiate_protocol
@@ -338,6 +343,100 @@ def _end_to_end(
     return elapsed, latencies, used
 
 
+WORKERS = 2  # verifier processes in the several-process pipeline run (one per core here)
+
+
+class _VerifierProcesses:
+    """``cloud-service verifier --workers N`` in a subprocess, as deployed on one host,
+    with the settings of the in-process verifier (its own client ids and group)."""
+
+    def __init__(self, settings: CloudSettings, workers: int) -> None:
+        self.workers = workers
+        self.port = free_port()
+        env = {
+            **os.environ,
+            "EDGELOOP_DATA_DIR": str(settings.data_dir),
+            "EDGELOOP_DATABASE_URL": settings.resolved_database_url,
+            "EDGELOOP_MQTT_URL": BROKER,
+            "EDGELOOP_TOPIC_PREFIX": settings.topic_prefix,
+            "EDGELOOP_TEACHER_MODEL": str(settings.teacher_model),
+            "EDGELOOP_VERIFIER_CLIENT_ID": f"bench-workers-{uuid.uuid4().hex[:6]}",
+            "EDGELOOP_VERIFIER_GROUP": f"bench-{uuid.uuid4().hex[:6]}",
+            "EDGELOOP_MQTT_SESSION_EXPIRY_S": "0",
+            "EDGELOOP_MAX_BATCH_SIZE": str(settings.max_batch_size),
+            "EDGELOOP_MAX_QUEUE_DELAY_MS": str(settings.max_queue_delay_ms),
+            "EDGELOOP_REVIEW_AUDIT_SHARE": str(settings.review_audit_share),
+            "EDGELOOP_LOG_LEVEL": "WARNING",
+        }
+        command = [sys.executable, "-m", "cloud_service", "verifier"]
+        command += ["--workers", str(workers), "--port", str(self.port)]
+        self.process = subprocess.Popen(command, env=env)
+
+    def __enter__(self) -> _VerifierProcesses:
+        deadline = time.monotonic() + 120
+        ports = range(self.port, self.port + self.workers)
+        while not all(_ready(port) for port in ports):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.process.kill()
+                raise RuntimeError("the verifier workers did not become ready")
+            time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def _ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
+
+
+def _processes_end_to_end(topics: Topics, n: int, protocol: Any) -> tuple[float, dict[str, float]]:
+    """Publish n samples to verifier processes (as fast as they keep up); seconds until
+    every verdict came back over MQTT, and the CPU per sample meanwhile."""
+    fleet, agent = "bench", f"cam-{uuid.uuid4().hex[:6]}"
+    payloads = _envelopes(n, fleet, agent)
+    target = MqttTarget.parse(BROKER)
+    heard = [0]
+    all_heard = threading.Event()
+
+    def on_message(client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        heard[0] += 1
+        if heard[0] >= n:
+            all_heard.set()
+
+    listener = make_client(
+        target, client_id=f"bench-verdicts-{uuid.uuid4().hex[:6]}", protocol=protocol
+    )
+    listener.on_message = on_message
+    listener.connect(target.host, target.port)
+    listener.loop_start()
+    listener.subscribe(topics.verdicts(fleet, agent), qos=1)
+    time.sleep(0.3)
+    pub = _publisher(protocol)
+    cpu = MachineCpu()
+    cpu.start()
+    start = time.perf_counter()
+    _publish_paced(pub, topics.samples(fleet, agent), payloads, lambda: heard[0])
+    all_heard.wait(120)
+    elapsed = time.perf_counter() - start
+    used = cpu.stop(n)
+    for client in (pub, listener):
+        client.disconnect()
+        client.loop_stop()
+    if heard[0] < n:
+        log.warning("verifier processes: %d of %d verdicts heard", heard[0], n)
+    return elapsed, used
+
+
 def _median_each(runs: list[dict[str, float]]) -> dict[str, float]:
     """The median of each figure over runs."""
     return {key: round(statistics.median(run_[key] for run_ in runs), 3) for key in runs[0]}
@@ -476,6 +575,18 @@ def run(quick: bool = False) -> dict[str, Any]:
                 _, lat, _cpu = _end_to_end(worker, engine, topics, n // 4, half, protocol)
                 lat_runs.append(lat)
             latencies = sorted(x for run_ in lat_runs for x in run_)
+        # The same, with the verifier as deployed on a host of several cores: WORKERS
+        # processes on the broker's shared subscription (MQTT v5, PostgreSQL).
+        several: list[float] = []
+        several_raw: list[float] = []
+        if protocol == "5" and not url.startswith("sqlite"):
+            with _VerifierProcesses(settings, WORKERS):
+                _processes_end_to_end(topics, 100, protocol)  # warm-up
+                for _ in range(repeats):
+                    elapsed, _used = _processes_end_to_end(topics, n, protocol)
+                    several.append(n / elapsed)
+                    raw_rate, _raw_used = _raw_pubsub(_envelopes(n, "bench", "raw"), protocol)
+                    several_raw.append(raw_rate)
     finally:
         engine.dispose()
         drop()
@@ -496,6 +607,15 @@ def run(quick: bool = False) -> dict[str, Any]:
             "e2e_samples": n,
             "e2e_runs_samples_per_s": [round(r, 1) for r in e2e_rates],
             "raw_runs_msgs_per_s": [round(r, 1) for r in raw_rates],
+            "e2e_workers": WORKERS if several else None,
+            "e2e_workers_samples_per_s": round(statistics.median(several), 1) if several else None,
+            "e2e_workers_vs_raw_mqtt": (
+                round(
+                    statistics.median(a / b for a, b in zip(several, several_raw, strict=True)), 3
+                )
+                if several
+                else None
+            ),
             "e2e_cpu_ms_per_sample": _median_each(cpu),
             "raw_cpu_ms_per_msg": _median_each(raw_cpu),
             "teacher_cpu_ms_per_sample": round(1e3 * cores / raw, 3),
@@ -509,6 +629,13 @@ def run(quick: bool = False) -> dict[str, Any]:
                 [f"verifier: publish -> stored verdict in {db} (samples/s)", e2e],
                 ["raw Mosquitto pub/sub, same payloads (msgs/s)", raw_mqtt],
                 ["ratio", figures["e2e_vs_raw_mqtt"]],
+                [
+                    f"{WORKERS} verifier processes (`--workers {WORKERS}`): samples/s; ratio to"
+                    " raw (per round)",
+                    f"{figures['e2e_workers_samples_per_s']}; {figures['e2e_workers_vs_raw_mqtt']}"
+                    if several
+                    else "not run (needs MQTT v5 and PostgreSQL)",
+                ],
                 [f"capture-to-verdict p50 at {half:.0f}/s (ms)", p50],
                 [f"capture-to-verdict p99 at {half:.0f}/s (ms)", p99],
             ],

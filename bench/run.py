@@ -73,6 +73,11 @@ def goal_summary(sections: dict[str, Any]) -> list[dict[str, Any]]:
             "pipeline / raw Mosquitto, 20 KB payloads", cloud.get("e2e_vs_raw_mqtt", not_run), 0.5
         ),
         _goal(
+            "pipeline, 2 verifier processes / raw Mosquitto, 20 KB payloads",
+            cloud.get("e2e_workers_vs_raw_mqtt") or not_run,
+            0.5,
+        ),
+        _goal(
             "GPU: teacher TRT INT8 / CUDA FP32, batch 32",
             gpu.get("trt_int8_vs_cuda_fp32_batch32", no_trt),
             2.0,
