@@ -68,3 +68,11 @@ def test_the_stand_in_cloud_receipts_and_answers_every_forwarded_sample(tmp_path
         assert [v["sample_id"] for v in verdicts] == ids
         assert {v["agent"] for v in verdicts} == {"bench-video"}
     assert cloud.answers.samples == 5
+
+
+def test_frame_preparation_is_timed_for_each_camera_size() -> None:
+    rows = bench_agent.frame_preparation(repeats=1)
+    assert [row[0] for row in rows] == ["320x240", "640x480", "1280x720", "1920x1080"]
+    for _size, agent_us, one_resize_us, speed_up, difference in rows:
+        assert agent_us > 0 and one_resize_us > 0 and speed_up > 0
+        assert difference < 3.5  # grey levels, on average

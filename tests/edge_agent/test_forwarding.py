@@ -91,6 +91,27 @@ def test_resizing_before_the_colour_conversion_gives_the_same_pixels(
         assert np.array_equal(converted_first, resized_first)
 
 
+@pytest.mark.parametrize("size", [(240, 320), (480, 640), (720, 1280), (1080, 1920), (721, 1281)])
+def test_shrinking_a_camera_frame_stays_close_to_one_area_resize(size: tuple[int, int]) -> None:
+    rng = np.random.default_rng(5)
+    height, width = size
+    small = rng.integers(0, 256, (height // 8, width // 8, 3), dtype=np.uint8)
+    frame = cv2.resize(small, (width, height), interpolation=cv2.INTER_CUBIC)
+    for hw in ((64, 64), (160, 160), (48, 96)):
+        shrunk = resize_for_model(frame, hw)
+        assert shrunk.shape == (*hw, 3) and shrunk.dtype == np.uint8
+        exact = cv2.resize(frame.astype(np.float32), (hw[1], hw[0]), interpolation=cv2.INTER_AREA)
+        # A box filter all the same: a few grey levels from the exact one on this
+        # high-detail frame, at most.
+        assert np.abs(shrunk - exact).mean() < 3.5
+
+
+def test_a_frame_under_four_times_the_model_is_one_area_resize() -> None:
+    frame = np.random.default_rng(6).integers(0, 256, (240, 320, 3), dtype=np.uint8)
+    expected = cv2.resize(frame, (64, 64), interpolation=cv2.INTER_AREA)
+    assert np.array_equal(resize_for_model(frame, (64, 64)), expected)
+
+
 def test_a_bgr_frame_gets_the_same_answer_and_upload_as_its_rgb(
     make_settings: Callable[..., AgentSettings], engine: object
 ) -> None:
