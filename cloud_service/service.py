@@ -71,6 +71,12 @@ def run_verifier(settings: CloudSettings, *, host: str, port: int) -> None:
 
 def run_all(settings: CloudSettings, *, host: str, port: int) -> None:
     """API and verifier in one process, for one host."""
+    if settings.verifier_workers > 1:
+        log.warning(
+            "cloud-service all runs one verifier; verifier_workers=%d applies to"
+            " `cloud-service verifier` only",
+            settings.verifier_workers,
+        )
     worker = VerifierWorker(settings)
     worker.start()
     try:
