@@ -56,7 +56,7 @@ from cloud_service.batcher import BatcherConfig, DynamicBatcher
 from cloud_service.db.models import Sample, Verdict
 from cloud_service.demo_teacher import build_demo_teacher
 from cloud_service.settings import CloudSettings
-from cloud_service.verifier import TeacherModel
+from cloud_service.verifier import TeacherModel, decode_image
 from cloud_service.worker import VerifierWorker
 from shared.broker import free_port
 from shared.envelope import EnvelopeLimits, decode_envelope, encode_envelope
@@ -437,6 +437,20 @@ def _processes_end_to_end(topics: Topics, n: int, protocol: Any) -> tuple[float,
     return elapsed, used
 
 
+def _decode_cpu_ms(repeats: int = 5, calls: int = 200) -> float:
+    """CPU milliseconds the verifier spends decoding one benchmark payload's image to the
+    teacher's input (median over repeats)."""
+    _, image = typical_sample(PAYLOAD_IMAGE_PX)
+    decode_image(image, (SIZE, SIZE))
+    samples = []
+    for _ in range(repeats):
+        started = time.process_time()
+        for _ in range(calls):
+            decode_image(image, (SIZE, SIZE))
+        samples.append((time.process_time() - started) / calls * 1e3)
+    return round(statistics.median(samples), 3)
+
+
 def _median_each(runs: list[dict[str, float]]) -> dict[str, float]:
     """The median of each figure over runs."""
     return {key: round(statistics.median(run_[key] for run_ in runs), 3) for key in runs[0]}
@@ -460,6 +474,13 @@ def _cpu_table(figures: dict[str, Any]) -> str:
         [
             "the teacher alone (ms per sample: raw ORT, batch 32, every core)",
             figures["teacher_cpu_ms_per_sample"],
+            "-",
+        ]
+    )
+    rows.append(
+        [
+            "the JPEG decode alone (ms per sample: the verifier's decode_image, one thread)",
+            figures["decode_cpu_ms_per_sample"],
             "-",
         ]
     )
@@ -619,6 +640,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             "e2e_cpu_ms_per_sample": _median_each(cpu),
             "raw_cpu_ms_per_msg": _median_each(raw_cpu),
             "teacher_cpu_ms_per_sample": round(1e3 * cores / raw, 3),
+            "decode_cpu_ms_per_sample": _decode_cpu_ms(),
             "goal_cpu_budget_ms_per_sample": round(1e3 * cores / (0.5 * raw_mqtt), 3),
         }
     )

@@ -72,8 +72,13 @@ def test_the_cpu_table_shows_the_goal_budget_beside_the_teacher() -> None:
             "e2e_cpu_ms_per_sample": per,
             "raw_cpu_ms_per_msg": per,
             "teacher_cpu_ms_per_sample": 0.5,
+            "decode_cpu_ms_per_sample": 0.4,
             "goal_cpu_budget_ms_per_sample": 1.8,
         }
     )
     assert "| cores busy | 1.50 of 2 | 1.50 of 2 |" in table
     assert "0.5 of the raw rate allows" in table and "| 1.8 |" in table
+
+
+def test_the_decode_figure_is_the_verifiers_decode_of_the_payload_image() -> None:
+    assert 0 < bench_cloud._decode_cpu_ms(repeats=1, calls=3) < 1000
