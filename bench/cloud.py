@@ -19,7 +19,10 @@ Three goals, each a ratio measured side by side in one run (medians of repeats):
   most ``max_queued_messages`` (1000 by default) for a subscriber that falls behind
   and drops the rest of a QoS 1 burst, which would leave a run waiting for verdicts
   of samples that never arrived. Beside each rate: CPU per sample of this process,
-  of Mosquitto and of PostgreSQL, and how many of the machine's cores were busy.
+  of Mosquitto and of PostgreSQL, and how many of the machine's cores were busy;
+  then the same with the verifier as deployed on a host of several cores
+  (``cloud-service verifier --workers 2`` in a subprocess), against raw pub/sub
+  round by round.
 
 The teacher is a seeded teacher-like model (``cloud_service.demo_teacher``: conv
 stem and 2048-wide dense layers, 64x64 input), so the figures do not depend on

@@ -22,7 +22,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.context import SpawnProcess
 from typing import Any
 
@@ -122,7 +122,6 @@ class _Slot:
     started_at: float = 0.0
     restart_at: float = 0.0
     backoff_s: float = 1.0
-    restarts: int = field(default=0)
 
 
 # A worker that ran this long before dying is started again after the shortest wait.
@@ -200,7 +199,6 @@ def run_verifiers(settings: CloudSettings, *, host: str, port: int, workers: int
                         slot.backoff_s,
                     )
                 elif now >= slot.restart_at:
-                    slot.restarts += 1
                     start(slot)
     finally:
         _stop_all([slot.process for slot in slots if slot.process is not None])
