@@ -51,6 +51,16 @@ def make_settings(tmp_path: Path, teacher_path: Path) -> Callable[..., CloudSett
     return make
 
 
+def wait_until(predicate: Callable[[], Any], timeout: float, step: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds pass; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return bool(predicate())
+
+
 def image_bytes(size: int = SIZE, fmt: str = "JPEG", seed: int = 0) -> bytes:
     rng = np.random.default_rng(seed)
     pixels = rng.integers(0, 255, (size, size, 3), dtype=np.uint8)
@@ -125,12 +135,7 @@ class Collector:
         self.messages.append((message.topic, bytes(message.payload)))
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float = 15.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return True
-            time.sleep(0.02)
-        return predicate()
+        return wait_until(predicate, timeout, step=0.02)
 
     def close(self) -> None:
         self.client.disconnect()

@@ -32,6 +32,7 @@ from cloud_service.brokerconf import (
 )
 from shared.broker import free_port
 from shared.topics import Topics
+from tests.cloud_service.conftest import wait_until
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # Starlette wants httpx2; the httpx we have works
@@ -166,12 +167,7 @@ class Client:
 
 
 def _wait(predicate: Any, timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
+    return wait_until(predicate, timeout, step=0.02)
 
 
 def test_password_hash_matches_mosquitto_passwd(tmp_path: Path) -> None:

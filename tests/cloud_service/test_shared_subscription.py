@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -18,7 +17,7 @@ from shared.messages import Receipt
 from shared.messages import Verdict as VerdictMessage
 from shared.mqtt import MqttTarget, negotiate_protocol
 from shared.topics import Topics
-from tests.cloud_service.conftest import image_bytes, make_envelope, publisher
+from tests.cloud_service.conftest import image_bytes, make_envelope, publisher, wait_until
 
 # The quick reference teacher trains once a test session (about 20 s on a quiet
 # two-core machine, minutes on a busy one), inside whichever test asks first.
@@ -28,12 +27,7 @@ SAMPLES = 120
 
 
 def _wait(predicate: Callable[[], bool], timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
+    return wait_until(predicate, timeout, step=0.05)
 
 
 @pytest.fixture

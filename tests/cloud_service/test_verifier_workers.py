@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +22,7 @@ from cloud_service.service import run_verifiers, worker_settings
 from cloud_service.settings import CloudSettings
 from shared.broker import free_port
 from shared.errors import ConfigError
-from tests.cloud_service.conftest import make_envelope, publisher
+from tests.cloud_service.conftest import make_envelope, publisher, wait_until
 
 SAMPLES = 80
 
@@ -81,12 +80,7 @@ def _ready(port: int) -> bool:
 
 
 def _wait(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
+    return wait_until(predicate, timeout, step=0.1)
 
 
 def _workers(supervisor: subprocess.Popen[bytes]) -> list[psutil.Process]:

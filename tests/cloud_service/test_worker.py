@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import struct
-import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterator
@@ -21,7 +20,13 @@ from cloud_service.worker import VerifierWorker
 from shared.messages import AgentStatus, Receipt, encode_message
 from shared.messages import Verdict as VerdictMessage
 from shared.topics import Topics
-from tests.cloud_service.conftest import image_bytes, make_envelope, make_header, publisher
+from tests.cloud_service.conftest import (
+    image_bytes,
+    make_envelope,
+    make_header,
+    publisher,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.mqtt, pytest.mark.sql]
 
@@ -52,12 +57,7 @@ def _raw_envelope(header: bytes, image: bytes, *, version: int = 1) -> bytes:
 
 
 def _wait(predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
+    return wait_until(predicate, timeout, step=0.05)
 
 
 def test_samples_are_stored_receipted_and_verified(
