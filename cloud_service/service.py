@@ -33,6 +33,7 @@ from cloud_service.api.app import create_app
 from cloud_service.db.session import upgrade_database
 from cloud_service.settings import CloudSettings
 from cloud_service.worker import VerifierWorker
+from shared.console import configure_logging
 from shared.errors import ConfigError
 from shared.mqtt import negotiate_protocol
 
@@ -107,15 +108,14 @@ def worker_settings(settings: CloudSettings, index: int, workers: int) -> CloudS
 
 
 def _verifier_process(settings: CloudSettings, host: str, port: int) -> None:
-    from shared.console import configure_logging
-
     configure_logging(settings.log_level)
     run_verifier(settings, host=host, port=port)
 
 
 @dataclass
 class _Slot:
-    """One worker's place under the supervisor: its process and its restart backoff."""
+    """One worker's place under the supervisor: its process, and the wait before its
+    next start (1 s, doubling while it keeps dying within ``_HEALTHY_RUN_S``)."""
 
     index: int
     process: SpawnProcess | None = None
@@ -185,18 +185,17 @@ def run_verifiers(settings: CloudSettings, *, host: str, port: int, workers: int
                     continue
                 if process is not None:  # it died: wait, then start it again
                     ran = now - slot.started_at
-                    slot.backoff_s = (
-                        1.0 if ran >= _HEALTHY_RUN_S else min(slot.backoff_s * 2, _MAX_BACKOFF_S)
-                    )
-                    slot.restart_at = now + slot.backoff_s
-                    slot.process = None
+                    if ran >= _HEALTHY_RUN_S:
+                        slot.backoff_s = 1.0
+                    delay, slot.backoff_s = slot.backoff_s, min(slot.backoff_s * 2, _MAX_BACKOFF_S)
+                    slot.restart_at, slot.process = now + delay, None
                     log.warning(
                         "verifier worker %d exited with code %s after %.0f s; starting it"
                         " again in %.0f s",
                         slot.index,
                         process.exitcode,
                         ran,
-                        slot.backoff_s,
+                        delay,
                     )
                 elif now >= slot.restart_at:
                     start(slot)
