@@ -461,40 +461,45 @@ def _median_each(runs: list[dict[str, float]]) -> dict[str, float]:
 
 def _cpu_table(figures: dict[str, Any]) -> str:
     """Where the machine's CPU goes per message, and what the pipeline goal would allow."""
-    pipeline, raw = figures["e2e_cpu_ms_per_sample"], figures["raw_cpu_ms_per_msg"]
+    columns = {
+        "pipeline": figures["e2e_cpu_ms_per_sample"],
+        f"pipeline, {WORKERS} verifier processes": figures.get("e2e_workers_cpu_ms_per_sample"),
+        "raw pub/sub": figures["raw_cpu_ms_per_msg"],
+    }
+    shown = {name: per for name, per in columns.items() if per}
     rows: list[list[Any]] = [
-        [f"{name} (ms per message)", pipeline[name], raw[name]]
+        [f"{name} (ms per message)", *(per[name] for per in shown.values())]
         for name in ("this process", *MachineCpu.SERVICES.values(), "machine")
     ]
     rows.append(
         [
             "cores busy",
-            f"{pipeline['cores busy']:.2f} of {pipeline['cores']:.0f}",
-            f"{raw['cores busy']:.2f} of {raw['cores']:.0f}",
+            *(f"{per['cores busy']:.2f} of {per['cores']:.0f}" for per in shown.values()),
         ]
     )
+    blank = ["-"] * (len(shown) - 1)
     rows.append(
         [
             "the teacher alone (ms per sample: raw ORT, batch 32, every core)",
             figures["teacher_cpu_ms_per_sample"],
-            "-",
+            *blank,
         ]
     )
     rows.append(
         [
             "the JPEG decode alone (ms per sample: the verifier's decode_image, one thread)",
             figures["decode_cpu_ms_per_sample"],
-            "-",
+            *blank,
         ]
     )
     rows.append(
         [
             "machine CPU per sample that 0.5 of the raw rate allows, every core busy",
             figures["goal_cpu_budget_ms_per_sample"],
-            "-",
+            *blank,
         ]
     )
-    return markdown_table(["CPU during the runs (medians)", "pipeline", "raw pub/sub"], rows)
+    return markdown_table(["CPU during the runs (medians)", *shown], rows)
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -603,12 +608,14 @@ def run(quick: bool = False) -> dict[str, Any]:
         # processes on the broker's shared subscription (MQTT v5, PostgreSQL).
         several: list[float] = []
         several_raw: list[float] = []
+        several_cpu: list[dict[str, float]] = []
         if protocol == "5" and not url.startswith("sqlite"):
             with _VerifierProcesses(settings, WORKERS):
                 _processes_end_to_end(topics, 100, protocol)  # warm-up
                 for _ in range(repeats):
-                    elapsed, _used = _processes_end_to_end(topics, n, protocol)
+                    elapsed, used = _processes_end_to_end(topics, n, protocol)
                     several.append(n / elapsed)
+                    several_cpu.append(used)
                     raw_rate, _raw_used = _raw_pubsub(_envelopes(n, "bench", "raw"), protocol)
                     several_raw.append(raw_rate)
     finally:
@@ -640,6 +647,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                 if several
                 else None
             ),
+            "e2e_workers_cpu_ms_per_sample": _median_each(several_cpu) if several else None,
             "e2e_cpu_ms_per_sample": _median_each(cpu),
             "raw_cpu_ms_per_msg": _median_each(raw_cpu),
             "teacher_cpu_ms_per_sample": round(1e3 * cores / raw, 3),

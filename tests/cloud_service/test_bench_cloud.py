@@ -77,7 +77,32 @@ def test_the_cpu_table_shows_the_goal_budget_beside_the_teacher() -> None:
         }
     )
     assert "| cores busy | 1.50 of 2 | 1.50 of 2 |" in table
-    assert "0.5 of the raw rate allows" in table and "| 1.8 |" in table
+    assert "0.5 of the raw rate allows" in table and "| 1.8 | - |" in table
+    assert "verifier processes" not in table  # not run: no column
+
+
+def test_the_cpu_table_has_a_column_for_the_verifier_processes_when_they_ran() -> None:
+    per = {
+        "this process": 3.0,
+        "mosquitto": 0.1,
+        "postgresql": 0.2,
+        "machine": 3.4,
+        "cores busy": 1.5,
+        "cores": 2.0,
+    }
+    table = bench_cloud._cpu_table(
+        {
+            "e2e_cpu_ms_per_sample": per,
+            "e2e_workers_cpu_ms_per_sample": {**per, "cores busy": 1.9},
+            "raw_cpu_ms_per_msg": per,
+            "teacher_cpu_ms_per_sample": 0.5,
+            "decode_cpu_ms_per_sample": 0.4,
+            "goal_cpu_budget_ms_per_sample": 1.8,
+        }
+    )
+    assert f"| pipeline, {bench_cloud.WORKERS} verifier processes |" in table
+    assert "| cores busy | 1.50 of 2 | 1.90 of 2 | 1.50 of 2 |" in table
+    assert "| 1.8 | - | - |" in table
 
 
 def test_the_decode_figure_is_the_verifiers_decode_of_the_payload_image() -> None:
