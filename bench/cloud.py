@@ -257,47 +257,61 @@ class MachineCpu:
         return per
 
 
+class _Arrivals:
+    """A QoS 1 subscriber to one topic that counts what arrives and notes when."""
+
+    def __init__(self, topic: str, expected: int, protocol: Any) -> None:
+        target = MqttTarget.parse(BROKER)
+        self.count = 0
+        self.last = 0.0
+        self.expected = expected
+        self.all_arrived = threading.Event()
+        self.client = make_client(
+            target, client_id=f"bench-sub-{uuid.uuid4().hex[:6]}", protocol=protocol
+        )
+        self.client.on_message = self._on_message
+        self.client.connect(target.host, target.port)
+        self.client.loop_start()
+        self.client.subscribe(topic, qos=1)
+        time.sleep(0.3)
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        self.count += 1
+        self.last = time.perf_counter()
+        if self.count >= self.expected:
+            self.all_arrived.set()
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
 def _raw_pubsub(payloads: list[bytes], protocol: Any) -> tuple[float, dict[str, float]]:
     """Messages/s of plain QoS 1 publish -> subscribe of the same payloads, and the CPU
     per message meanwhile (``MachineCpu``)."""
-    target = MqttTarget.parse(BROKER)
     topic = f"bench-raw/{uuid.uuid4().hex[:8]}/samples"
-    got = threading.Event()
-    count = [0]
-    last = [0.0]
-
-    def on_message(client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
-        count[0] += 1
-        last[0] = time.perf_counter()
-        if count[0] >= len(payloads):
-            got.set()
-
-    sub = make_client(target, client_id=f"bench-sub-{uuid.uuid4().hex[:6]}", protocol=protocol)
-    sub.on_message = on_message
-    sub.connect(target.host, target.port)
-    sub.loop_start()
-    sub.subscribe(topic, qos=1)
-    time.sleep(0.3)
+    arrivals = _Arrivals(topic, len(payloads), protocol)
     pub = _publisher(protocol)
     cpu = MachineCpu()
     cpu.start()
     start = time.perf_counter()
-    _publish_paced(pub, topic, payloads, lambda: count[0])
+    _publish_paced(pub, topic, payloads, lambda: arrivals.count)
     # Should the broker still drop messages (a lower queue limit than Mosquitto's
     # default), the rate is that of what arrived, timed to the last arrival, never a
     # wait that ran into the timeout.
     deadline = time.monotonic() + 60
-    while not got.wait(0.05) and time.monotonic() < deadline:
-        if count[0] and time.perf_counter() - last[0] > 2.0:
+    while not arrivals.all_arrived.wait(0.05) and time.monotonic() < deadline:
+        if arrivals.count and time.perf_counter() - arrivals.last > 2.0:
             break
-    elapsed = (last[0] if count[0] else time.perf_counter()) - start
-    used = cpu.stop(max(count[0], 1))
-    for c in (pub, sub):
-        c.disconnect()
-        c.loop_stop()
-    if count[0] < len(payloads):
-        log.warning("raw pub/sub: %d of %d messages arrived", count[0], len(payloads))
-    return count[0] / max(elapsed, 1e-9), used
+    count = arrivals.count
+    elapsed = (arrivals.last if count else time.perf_counter()) - start
+    used = cpu.stop(max(count, 1))
+    pub.disconnect()
+    pub.loop_stop()
+    arrivals.close()
+    if count < len(payloads):
+        log.warning("raw pub/sub: %d of %d messages arrived", count, len(payloads))
+    return count / max(elapsed, 1e-9), used
 
 
 def _count(engine: Any, model: Any, prefix_fleet: str) -> int:
@@ -407,36 +421,20 @@ def _processes_end_to_end(topics: Topics, n: int, protocol: Any) -> tuple[float,
     every verdict came back over MQTT, and the CPU per sample meanwhile."""
     fleet, agent = "bench", f"cam-{uuid.uuid4().hex[:6]}"
     payloads = _envelopes(n, fleet, agent)
-    target = MqttTarget.parse(BROKER)
-    heard = [0]
-    all_heard = threading.Event()
-
-    def on_message(client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
-        heard[0] += 1
-        if heard[0] >= n:
-            all_heard.set()
-
-    listener = make_client(
-        target, client_id=f"bench-verdicts-{uuid.uuid4().hex[:6]}", protocol=protocol
-    )
-    listener.on_message = on_message
-    listener.connect(target.host, target.port)
-    listener.loop_start()
-    listener.subscribe(topics.verdicts(fleet, agent), qos=1)
-    time.sleep(0.3)
+    verdicts = _Arrivals(topics.verdicts(fleet, agent), n, protocol)
     pub = _publisher(protocol)
     cpu = MachineCpu()
     cpu.start()
     start = time.perf_counter()
-    _publish_paced(pub, topics.samples(fleet, agent), payloads, lambda: heard[0])
-    all_heard.wait(120)
+    _publish_paced(pub, topics.samples(fleet, agent), payloads, lambda: verdicts.count)
+    verdicts.all_arrived.wait(120)
     elapsed = time.perf_counter() - start
     used = cpu.stop(n)
-    for client in (pub, listener):
-        client.disconnect()
-        client.loop_stop()
-    if heard[0] < n:
-        log.warning("verifier processes: %d of %d verdicts heard", heard[0], n)
+    pub.disconnect()
+    pub.loop_stop()
+    verdicts.close()
+    if verdicts.count < n:
+        log.warning("verifier processes: %d of %d verdicts heard", verdicts.count, n)
     return elapsed, used
 
 
@@ -478,27 +476,21 @@ def _cpu_table(figures: dict[str, Any]) -> str:
         ]
     )
     blank = ["-"] * (len(shown) - 1)
-    rows.append(
-        [
+    for label, key in (
+        (
             "the teacher alone (ms per sample: raw ORT, batch 32, every core)",
-            figures["teacher_cpu_ms_per_sample"],
-            *blank,
-        ]
-    )
-    rows.append(
-        [
+            "teacher_cpu_ms_per_sample",
+        ),
+        (
             "the JPEG decode alone (ms per sample: the verifier's decode_image, one thread)",
-            figures["decode_cpu_ms_per_sample"],
-            *blank,
-        ]
-    )
-    rows.append(
-        [
+            "decode_cpu_ms_per_sample",
+        ),
+        (
             "machine CPU per sample that 0.5 of the raw rate allows, every core busy",
-            figures["goal_cpu_budget_ms_per_sample"],
-            *blank,
-        ]
-    )
+            "goal_cpu_budget_ms_per_sample",
+        ),
+    ):
+        rows.append([label, figures[key], *blank])
     return markdown_table(["CPU during the runs (medians)", *shown], rows)
 
 

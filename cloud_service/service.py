@@ -8,10 +8,11 @@ picked up again at the next start.
 
 ``cloud-service verifier --workers N`` runs N verifier processes under one
 supervisor (``run_verifiers``). One process's Python threads share one
-interpreter lock, which its MQTT, storage and verdict work fill long before the
-cores or the GPU are busy; N processes on the broker's shared subscription split
-the samples between them, each with its own lock. The supervisor starts a worker
-again when it dies and stops them all on SIGTERM/SIGINT.
+interpreter lock, which its MQTT, storage and verdict work fill before the cores
+are busy (``make bench``: one process keeps 1.5 of 2 cores busy); N processes on
+the broker's shared subscription split the samples between them, each with its
+own lock. The supervisor starts a worker again when it dies and stops them all on
+SIGTERM/SIGINT.
 """
 
 from __future__ import annotations

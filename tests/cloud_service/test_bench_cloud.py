@@ -58,22 +58,28 @@ def test_machine_cpu_counts_this_process_and_the_machine_per_message() -> None:
     assert used["mosquitto"] >= 0 and used["postgresql"] >= 0
 
 
+# One run's CPU per message (ms) and cores busy, and the figures the goal rows show.
+PER_MESSAGE = {
+    "this process": 3.0,
+    "mosquitto": 0.1,
+    "postgresql": 0.2,
+    "machine": 3.4,
+    "cores busy": 1.5,
+    "cores": 2.0,
+}
+GOAL_FIGURES = {
+    "teacher_cpu_ms_per_sample": 0.5,
+    "decode_cpu_ms_per_sample": 0.4,
+    "goal_cpu_budget_ms_per_sample": 1.8,
+}
+
+
 def test_the_cpu_table_shows_the_goal_budget_beside_the_teacher() -> None:
-    per = {
-        "this process": 3.0,
-        "mosquitto": 0.1,
-        "postgresql": 0.2,
-        "machine": 3.4,
-        "cores busy": 1.5,
-        "cores": 2.0,
-    }
     table = bench_cloud._cpu_table(
         {
-            "e2e_cpu_ms_per_sample": per,
-            "raw_cpu_ms_per_msg": per,
-            "teacher_cpu_ms_per_sample": 0.5,
-            "decode_cpu_ms_per_sample": 0.4,
-            "goal_cpu_budget_ms_per_sample": 1.8,
+            "e2e_cpu_ms_per_sample": PER_MESSAGE,
+            "raw_cpu_ms_per_msg": PER_MESSAGE,
+            **GOAL_FIGURES,
         }
     )
     assert "| cores busy | 1.50 of 2 | 1.50 of 2 |" in table
@@ -82,22 +88,12 @@ def test_the_cpu_table_shows_the_goal_budget_beside_the_teacher() -> None:
 
 
 def test_the_cpu_table_has_a_column_for_the_verifier_processes_when_they_ran() -> None:
-    per = {
-        "this process": 3.0,
-        "mosquitto": 0.1,
-        "postgresql": 0.2,
-        "machine": 3.4,
-        "cores busy": 1.5,
-        "cores": 2.0,
-    }
     table = bench_cloud._cpu_table(
         {
-            "e2e_cpu_ms_per_sample": per,
-            "e2e_workers_cpu_ms_per_sample": {**per, "cores busy": 1.9},
-            "raw_cpu_ms_per_msg": per,
-            "teacher_cpu_ms_per_sample": 0.5,
-            "decode_cpu_ms_per_sample": 0.4,
-            "goal_cpu_budget_ms_per_sample": 1.8,
+            "e2e_cpu_ms_per_sample": PER_MESSAGE,
+            "e2e_workers_cpu_ms_per_sample": {**PER_MESSAGE, "cores busy": 1.9},
+            "raw_cpu_ms_per_msg": PER_MESSAGE,
+            **GOAL_FIGURES,
         }
     )
     assert f"| pipeline, {bench_cloud.WORKERS} verifier processes |" in table
