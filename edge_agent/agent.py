@@ -36,6 +36,7 @@ import logging
 import queue
 import random
 import sqlite3
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -443,6 +444,7 @@ class Agent:
         # until then new samples queue behind the backlog instead of jumping it.
         self._uplink_backlogged = True
         self._check_due = True  # something may be due that nobody published yet
+        self._switch_interval: float | None = None  # the process's own, while running
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -490,6 +492,12 @@ class Agent:
         self._spawn("heartbeat-loop", self._heartbeat_loop)
         if s.webhook_url:
             self._spawn("webhook-loop", self._webhook_loop)
+        if s.switch_interval_ms and self._switch_interval is None:
+            # Threads that release the GIL for a moment (the HTTP event loop on every
+            # socket call, decoders, ORT, SQLite) must win it back from threads running
+            # Python; at CPython's default 5 ms per hand-over they wait more than they work.
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(s.switch_interval_ms / 1000)
         if self.start_sources:
             self._start_sources()
         self.ready = True
@@ -544,6 +552,9 @@ class Agent:
         self.publisher.stop()
         self.spool.close()
         self.verdicts.close()
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
 
     def __enter__(self) -> Agent:
         return self.start()

@@ -91,6 +91,12 @@ class AgentSettings(EdgeLoopSettings):
     max_batch: int = Field(default=8, ge=1, le=1024)
     max_wait_ms: float = Field(default=5.0, ge=0)
     infer_timeout_s: float = Field(default=10.0, gt=0)
+    switch_interval_ms: float = Field(
+        default=0.5,
+        ge=0.0,
+        le=100.0,
+        description="CPython's thread switch interval while the agent runs; 0: unchanged",
+    )
 
     # Model updates (edge_agent/updates.py).
     models_keep: int = Field(
