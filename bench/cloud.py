@@ -64,6 +64,7 @@ from cloud_service.worker import VerifierWorker
 from shared.broker import free_port
 from shared.envelope import EnvelopeLimits, decode_envelope, encode_envelope
 from shared.ids import new_sample_id
+from shared.interpreter import SwitchInterval
 from shared.mqtt import MqttTarget, make_client, negotiate_protocol
 from shared.topics import Topics
 
@@ -506,22 +507,17 @@ def run(quick: bool = False) -> dict[str, Any]:
     # The batcher serves inside the verifier, which runs CPython's switch interval at
     # verifier_switch_interval_ms: the batcher and the raw session are timed under it.
     switch_ms = CloudSettings.model_fields["verifier_switch_interval_ms"].default
-    interpreters = sys.getswitchinterval()
-    sys.setswitchinterval(switch_ms / 1000)
-    try:
-        with batcher_32, batcher_1:
-            rates = _interleaved_throughput(
-                {
-                    "batched": batched_pass,
-                    "single": single_pass,
-                    "raw": _raw_pass(teacher, frames, BATCH),
-                    "raw_single": _raw_pass(teacher, frames, 1),
-                },
-                len(frames),
-                rounds=7 if quick else 15,
-            )
-    finally:
-        sys.setswitchinterval(interpreters)
+    with SwitchInterval(switch_ms), batcher_32, batcher_1:
+        rates = _interleaved_throughput(
+            {
+                "batched": batched_pass,
+                "single": single_pass,
+                "raw": _raw_pass(teacher, frames, BATCH),
+                "raw_single": _raw_pass(teacher, frames, 1),
+            },
+            len(frames),
+            rounds=7 if quick else 15,
+        )
     batched, single = rates["batched"], rates["single"]
     raw, raw_single = rates["raw"], rates["raw_single"]
 

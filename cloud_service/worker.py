@@ -25,7 +25,6 @@ import functools
 import logging
 import os
 import queue
-import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -68,6 +67,7 @@ from cloud_service.review import ReviewRules
 from cloud_service.settings import CloudSettings
 from cloud_service.verifier import TeacherModel, TeacherScore, decode_image
 from shared.errors import EdgeLoopError, StoreError, TransportError
+from shared.interpreter import SwitchInterval
 from shared.messages import Receipt, Verdict, encode_message
 from shared.mqtt import make_client, negotiate_protocol
 
@@ -176,7 +176,7 @@ class VerifierWorker:
         self._isolated_shown: set[tuple[str, str]] = set()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._switch_interval: float | None = None  # the interpreter's, while ours is set
+        self._switch_interval = SwitchInterval(settings.verifier_switch_interval_ms)
         self._connected = threading.Event()
         self._subscribed = threading.Event()
         self.protocol = "5"
@@ -197,13 +197,10 @@ class VerifierWorker:
         return self._subscribed.is_set() and self._connected.is_set()
 
     def start(self, *, connect_timeout: float = 15.0) -> None:
-        switch_ms = self.settings.verifier_switch_interval_ms
-        if switch_ms and self._switch_interval is None:
-            # The MQTT thread releases the GIL on every socket read and must win it back
-            # from threads that decode, store and score; at CPython's default 5 ms per
-            # hand-over it could take in only a few hundred messages a second.
-            self._switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(switch_ms / 1000)
+        # The MQTT thread releases the GIL on every socket read and must win it back from
+        # threads that decode, store and score; at CPython's default interval it could
+        # take in only a few hundred messages a second.
+        self._switch_interval.apply()
         self.batcher.start()
         for name, target in (
             ("ingest", self._ingest_loop),
@@ -217,9 +214,7 @@ class VerifierWorker:
         try:
             self._connect(connect_timeout)
         except BaseException:
-            if self._switch_interval is not None:
-                sys.setswitchinterval(self._switch_interval)
-                self._switch_interval = None
+            self._switch_interval.restore()
             raise
 
     def stop(self) -> None:
@@ -247,9 +242,7 @@ class VerifierWorker:
             client.loop_stop()
         if self._engine is not None:
             self._engine.dispose()
-        if self._switch_interval is not None:
-            sys.setswitchinterval(self._switch_interval)
-            self._switch_interval = None
+        self._switch_interval.restore()
 
     def _connect(self, timeout: float) -> None:
         settings = self.settings

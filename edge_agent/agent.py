@@ -36,7 +36,6 @@ import logging
 import queue
 import random
 import sqlite3
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -70,6 +69,7 @@ from shared.envelope import encode_envelope
 from shared.errors import EdgeLoopError, MessageError, StoreError
 from shared.ids import new_sample_id
 from shared.images import ImageInfo
+from shared.interpreter import SwitchInterval
 from shared.messages import (
     AgentStatus,
     Receipt,
@@ -444,7 +444,7 @@ class Agent:
         # until then new samples queue behind the backlog instead of jumping it.
         self._uplink_backlogged = True
         self._check_due = True  # something may be due that nobody published yet
-        self._switch_interval: float | None = None  # the process's own, while running
+        self._switch_interval = SwitchInterval(settings.switch_interval_ms)
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -492,12 +492,9 @@ class Agent:
         self._spawn("heartbeat-loop", self._heartbeat_loop)
         if s.webhook_url:
             self._spawn("webhook-loop", self._webhook_loop)
-        if s.switch_interval_ms and self._switch_interval is None:
-            # Threads that release the GIL for a moment (the HTTP event loop on every
-            # socket call, decoders, ORT, SQLite) must win it back from threads running
-            # Python; at CPython's default 5 ms per hand-over they wait more than they work.
-            self._switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(s.switch_interval_ms / 1000)
+        # The HTTP event loop gives the GIL up on every socket call, the decoders on every
+        # decode: at CPython's default interval they waited for it more than they worked.
+        self._switch_interval.apply()
         if self.start_sources:
             self._start_sources()
         self.ready = True
@@ -552,9 +549,7 @@ class Agent:
         self.publisher.stop()
         self.spool.close()
         self.verdicts.close()
-        if self._switch_interval is not None:
-            sys.setswitchinterval(self._switch_interval)
-            self._switch_interval = None
+        self._switch_interval.restore()
 
     def __enter__(self) -> Agent:
         return self.start()
