@@ -190,7 +190,9 @@ class CameraReader:
     def _done_one(self, future: Future[FrameResult] | None, error: BaseException | None) -> None:
         if future is not None and future.exception() is None:
             self.answered += 1
-        elif error is not None or future is not None:
+        elif (error is not None or future is not None) and not self._stopping.is_set():
+            # Frames still in flight when the source stops fail with the agent's stop:
+            # not the camera's error, so the last one the camera had stays in status.
             self.last_error = str(error or (future.exception() if future else ""))
         with self._room:
             self._inflight -= 1
