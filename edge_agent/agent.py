@@ -492,8 +492,8 @@ class Agent:
         self._spawn("heartbeat-loop", self._heartbeat_loop)
         if s.webhook_url:
             self._spawn("webhook-loop", self._webhook_loop)
-        # The HTTP event loop gives the GIL up on every socket call, the decoders on every
-        # decode: at CPython's default interval they waited for it more than they worked.
+        # The HTTP event loop and the MQTT thread give the GIL up on every socket call,
+        # the decoders on every decode; a shorter interval hands it back to them sooner.
         self._switch_interval.apply()
         if self.start_sources:
             self._start_sources()

@@ -3,8 +3,7 @@
 The agent and the verifier each run threads that give the interpreter lock up for a
 moment (a socket call, an image decode, an ONNX Runtime run, a SQLite statement)
 and must win it back from threads running Python. CPython makes such a thread wait
-up to its switch interval, 5 ms by default, before it asks for the lock; with
-hundreds of hand-overs a second, the threads then wait more than they work.
+up to its switch interval, 5 ms by default, before it asks for the lock.
 """
 
 from __future__ import annotations
