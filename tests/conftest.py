@@ -9,6 +9,8 @@
   start (outages, restarts), for tests that need to take the broker away.
 - ``topics``: a topic namespace derived from the test's name, so tests sharing a
   broker never see each other's messages.
+- ``own_switch_interval``: the process's switch interval set to 4 ms for the test
+  (and put back after), so a test can tell a service's interval from the process's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import hashlib
 import os
 import re
 import socket
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -167,3 +170,11 @@ def mosquitto(tmp_path: Path) -> Iterator[MosquittoProcess]:
         yield process
     finally:
         process.stop()
+
+
+@pytest.fixture
+def own_switch_interval() -> Iterator[float]:
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.004)
+    yield 0.004
+    sys.setswitchinterval(before)

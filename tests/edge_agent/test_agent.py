@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -12,27 +12,19 @@ from edge_agent.settings import AgentSettings
 from edge_agent.testing import MemoryPublisher
 
 
-@pytest.fixture
-def process_switch_interval() -> Iterator[float]:
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(0.004)
-    yield 0.004
-    sys.setswitchinterval(before)
-
-
 def test_the_switch_interval_is_the_agents_while_it_runs(
-    make_settings: Callable[..., AgentSettings], engine: object, process_switch_interval: float
+    make_settings: Callable[..., AgentSettings], engine: object, own_switch_interval: float
 ) -> None:
     settings = make_settings(switch_interval_ms=0.5)
     with Agent(settings, engine=engine, publisher=MemoryPublisher()):  # type: ignore[arg-type]
         assert sys.getswitchinterval() == pytest.approx(0.0005)
-    assert sys.getswitchinterval() == pytest.approx(process_switch_interval)
+    assert sys.getswitchinterval() == pytest.approx(own_switch_interval)
 
 
 def test_a_zero_switch_interval_leaves_the_process_alone(
-    make_settings: Callable[..., AgentSettings], engine: object, process_switch_interval: float
+    make_settings: Callable[..., AgentSettings], engine: object, own_switch_interval: float
 ) -> None:
     settings = make_settings(switch_interval_ms=0)
     with Agent(settings, engine=engine, publisher=MemoryPublisher()):  # type: ignore[arg-type]
-        assert sys.getswitchinterval() == pytest.approx(process_switch_interval)
-    assert sys.getswitchinterval() == pytest.approx(process_switch_interval)
+        assert sys.getswitchinterval() == pytest.approx(own_switch_interval)
+    assert sys.getswitchinterval() == pytest.approx(own_switch_interval)

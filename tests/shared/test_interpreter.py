@@ -3,39 +3,30 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 
 import pytest
 
 from shared.interpreter import SwitchInterval
 
 
-@pytest.fixture
-def own_interval() -> Iterator[float]:
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(0.004)
-    yield 0.004
-    sys.setswitchinterval(before)
-
-
-def test_applied_then_restored(own_interval: float) -> None:
+def test_applied_then_restored(own_switch_interval: float) -> None:
     interval = SwitchInterval(0.5)
     interval.apply()
     assert sys.getswitchinterval() == pytest.approx(0.0005)
     interval.apply()  # a second apply keeps the process's own interval to go back to
     interval.restore()
-    assert sys.getswitchinterval() == pytest.approx(own_interval)
+    assert sys.getswitchinterval() == pytest.approx(own_switch_interval)
     interval.restore()  # nothing applied: nothing changes
-    assert sys.getswitchinterval() == pytest.approx(own_interval)
+    assert sys.getswitchinterval() == pytest.approx(own_switch_interval)
 
 
-def test_zero_leaves_the_interval_alone(own_interval: float) -> None:
+def test_zero_leaves_the_interval_alone(own_switch_interval: float) -> None:
     with SwitchInterval(0):
-        assert sys.getswitchinterval() == pytest.approx(own_interval)
-    assert sys.getswitchinterval() == pytest.approx(own_interval)
+        assert sys.getswitchinterval() == pytest.approx(own_switch_interval)
+    assert sys.getswitchinterval() == pytest.approx(own_switch_interval)
 
 
-def test_as_a_context_manager(own_interval: float) -> None:
+def test_as_a_context_manager(own_switch_interval: float) -> None:
     with SwitchInterval(1.0):
         assert sys.getswitchinterval() == pytest.approx(0.001)
-    assert sys.getswitchinterval() == pytest.approx(own_interval)
+    assert sys.getswitchinterval() == pytest.approx(own_switch_interval)
