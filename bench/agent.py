@@ -608,6 +608,7 @@ def _raw_video_loops(model: Path, video: Path, n: int) -> dict[str, Callable[[],
     on one thread.
     """
     from edge_agent.imaging import prepare_bgr
+    from edge_agent.sources.camera import read_frame
 
     engine = _engine(model)
     hw = engine.input_hw
@@ -615,12 +616,16 @@ def _raw_video_loops(model: Path, video: Path, n: int) -> dict[str, Callable[[],
     def prepare(bgr: np.ndarray) -> np.ndarray:
         return prepare_bgr(bgr, hw)
 
+    last: list[np.ndarray | None] = [None]
+
     def read(capture: cv2.VideoCapture) -> np.ndarray:
-        ok, frame = capture.read()
+        # As the agent's camera source reads: into an array shaped like the last frame.
+        ok, frame = read_frame(capture, last[0])
         if not ok:
             capture.set(cv2.CAP_PROP_POS_FRAMES, 0)
-            ok, frame = capture.read()
-        assert ok
+            ok, frame = read_frame(capture, None)
+        assert ok and frame is not None
+        last[0] = frame
         return frame
 
     def serial() -> None:

@@ -148,7 +148,8 @@ def prepare_bgr(bgr: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
 
     Shrunk first, then converted: the same pixels as converting first, for less work.
     """
-    return cv2.cvtColor(resize_for_model(bgr, hw), cv2.COLOR_BGR2RGB)
+    small = resize_for_model(bgr, hw)
+    return cv2.cvtColor(small, cv2.COLOR_BGR2RGB, dst=_like(small))
 
 
 def resize_for_model(rgb: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
@@ -169,12 +170,25 @@ def resize_for_model(rgb: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
     # least 4:1 before each, so the last resize still averages 2x2 halved pixels or more.
     while height >= 4 * h and width >= 4 * w and height % 2 == 0 and width % 2 == 0:
         height, width = height // 2, width // 2
-        rgb = cv2.resize(rgb, (width, height), interpolation=cv2.INTER_AREA)
+        rgb = cv2.resize(
+            rgb, (width, height), dst=_empty(rgb, height, width), interpolation=cv2.INTER_AREA
+        )
     if height == h and width == w:
         return rgb
     shrinking = height > h or width > w
     interpolation = cv2.INTER_AREA if shrinking else cv2.INTER_LINEAR
-    return cv2.resize(rgb, (w, h), interpolation=interpolation)
+    return cv2.resize(rgb, (w, h), dst=_empty(rgb, h, w), interpolation=interpolation)
+
+
+def _empty(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """An output array for OpenCV, allocated here: OpenCV allocates the arrays it returns
+    through numpy, which takes the interpreter lock in the middle of the call, a wait
+    whenever another thread holds it; with the output given, it takes it only after."""
+    return np.empty((height, width, *image.shape[2:]), image.dtype)
+
+
+def _like(image: np.ndarray) -> np.ndarray:
+    return np.empty_like(image)
 
 
 def encode_for_upload(

@@ -39,7 +39,7 @@ from shared.errors import EdgeLoopError
 if TYPE_CHECKING:
     from edge_agent.agent import Agent, FrameResult
 
-__all__ = ["CameraReader", "open_capture"]
+__all__ = ["CameraReader", "open_capture", "read_frame"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,20 @@ log = logging.getLogger(__name__)
 def open_capture(uri: str) -> cv2.VideoCapture:
     """A VideoCapture for a device index ("0"), a stream URL or a file path."""
     return cv2.VideoCapture(int(uri) if uri.isdigit() else uri)
+
+
+def read_frame(capture: Any, last: np.ndarray | None) -> tuple[bool, np.ndarray | None]:
+    """The capture's next frame, read into a new array shaped like ``last`` (when given).
+
+    OpenCV allocates the frames it returns through numpy, which takes the interpreter
+    lock in the middle of the read: with other threads busy, each such read waited
+    for the lock once more (a switch interval) before it could finish decoding. Given
+    an array of the right shape, OpenCV decodes into it and takes the lock only at the
+    end. A frame of another size (the stream changed) is allocated by OpenCV as before.
+    """
+    if last is None:
+        return capture.read()
+    return capture.read(np.empty_like(last))
 
 
 class CameraReader:
@@ -125,15 +139,15 @@ class CameraReader:
             self.agent.telemetry.source_up.labels(self.name).set(1)
             self._backoff.reset()
             next_at = time.monotonic()
+            frame: np.ndarray | None = None
             try:
                 while not self._stopping.is_set():
-                    ok, frame = capture.read()
-                    if not ok:
-                        if self.is_file and self.config.loop and self.frames:
-                            capture.set(cv2.CAP_PROP_POS_FRAMES, 0)
-                            ok, frame = capture.read()
-                        if not ok:
-                            break
+                    ok, frame = read_frame(capture, frame)
+                    if not ok and self.is_file and self.config.loop and self.frames:
+                        capture.set(cv2.CAP_PROP_POS_FRAMES, 0)
+                        ok, frame = read_frame(capture, None)
+                    if not ok or frame is None:
+                        break
                     now = time.monotonic()
                     if now < next_at:
                         if not self.is_file:

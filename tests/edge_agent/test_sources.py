@@ -14,7 +14,7 @@ import pytest
 
 from edge_agent.agent import Agent
 from edge_agent.settings import AgentSettings, CameraSource, FolderSource
-from edge_agent.sources.camera import CameraReader
+from edge_agent.sources.camera import CameraReader, read_frame
 from edge_agent.testing import MemoryPublisher
 
 
@@ -53,15 +53,43 @@ class FastCapture:
     def isOpened(self) -> bool:
         return True
 
-    def read(self) -> tuple[bool, np.ndarray | None]:
+    def read(self, image: np.ndarray | None = None) -> tuple[bool, np.ndarray | None]:
         self.reads += 1
         if self.fail_after is not None and self.reads > self.fail_after:
             return False, None
         time.sleep(0.001)
-        return True, np.full((48, 64, 3), self.reads % 255, dtype=np.uint8)
+        if image is None or image.shape != (48, 64, 3):
+            image = np.empty((48, 64, 3), dtype=np.uint8)
+        image[:] = self.reads % 255
+        return True, image
 
     def release(self) -> None:
         pass
+
+
+def test_read_frame_decodes_into_a_new_array_like_the_last(tmp_path: Path) -> None:
+    video = str(write_video(tmp_path / "clip.avi", frames=4))
+    plain, reused = cv2.VideoCapture(video), cv2.VideoCapture(video)
+    try:
+        last: np.ndarray | None = None
+        kept = []
+        for _ in range(4):
+            ok, expected = plain.read()
+            ok_reused, frame = read_frame(reused, last)
+            assert ok and ok_reused and frame is not None
+            assert np.array_equal(frame, expected)
+            # Each frame is an array of its own: frames handed to the agent stay intact.
+            assert last is None or not np.shares_memory(frame, last)
+            kept.append(frame.copy())
+            last = frame
+        assert not np.array_equal(kept[0], kept[-1])
+        # A last frame of another size: OpenCV allocates one of the stream's size.
+        reused.set(cv2.CAP_PROP_POS_FRAMES, 0)
+        ok, frame = read_frame(reused, np.zeros((8, 8, 3), np.uint8))
+        assert ok and frame is not None and np.array_equal(frame, kept[0])
+    finally:
+        plain.release()
+        reused.release()
 
 
 def test_video_file_in_a_loop(

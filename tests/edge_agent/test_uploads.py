@@ -20,6 +20,7 @@ from edge_agent.imaging import (
     ImageRejected,
     decode_for_model,
     decode_image,
+    prepare_bgr,
     reduction_flag,
     resize_for_model,
 )
@@ -70,6 +71,26 @@ def test_decode_for_model_matches_a_full_decode_and_resize(fmt: str, mode: str) 
     # RGB order, same picture: only the JPEG decoder's scaling differs.
     diff = np.abs(frame.tensor.astype(int) - full.astype(int))
     assert diff.mean() < 2.0, diff.mean()
+
+
+@pytest.mark.parametrize("shape", [(240, 320), (480, 640), (241, 321), (64, 64), (30, 40)])
+def test_frame_preparation_gives_the_pixels_of_opencvs_own_calls(shape: tuple[int, int]) -> None:
+    # The outputs are allocated before each OpenCV call (so OpenCV need not allocate
+    # them mid-call): the same pixels as the calls that allocate, in new arrays.
+    bgr = np.random.default_rng(3).integers(0, 256, (*shape, 3), dtype=np.uint8)
+    expected = bgr
+    height, width = shape
+    while height >= 4 * 64 and width >= 4 * 64 and height % 2 == 0 and width % 2 == 0:
+        height, width = height // 2, width // 2
+        expected = cv2.resize(expected, (width, height), interpolation=cv2.INTER_AREA)
+    if (height, width) != (64, 64):
+        shrinking = height > 64 or width > 64
+        interpolation = cv2.INTER_AREA if shrinking else cv2.INTER_LINEAR
+        expected = cv2.resize(expected, (64, 64), interpolation=interpolation)
+    tensor = prepare_bgr(bgr, (64, 64))
+    assert np.array_equal(tensor, cv2.cvtColor(expected, cv2.COLOR_BGR2RGB))
+    assert tensor.flags["C_CONTIGUOUS"] and not np.shares_memory(tensor, bgr)
+    assert np.array_equal(resize_for_model(bgr, (64, 64)), expected)
 
 
 def test_decode_for_model_refuses_with_the_precise_reason() -> None:
