@@ -558,8 +558,48 @@ def _cloud_main(broker: str, fleet: str, agent: str, conn: Connection) -> None:
     client.loop_stop()
 
 
-def _video_window(model: Path, video: Path, window_s: float) -> dict[str, float]:
-    """Start an agent with a camera source on ``video``, time one window, stop it."""
+# The agent's threads by name (numbers dropped), in the order of a frame's path.
+AGENT_THREADS = (
+    ("camera-video", "camera reader (reads, decodes)"),
+    ("camera-video-prepare", "preparation (shrinks, RGB)"),
+    ("inference-loop", "inference loop (batches, ORT)"),
+    ("native", "ORT and OpenCV worker threads"),
+    ("agent-post", "routing and answers (and a forwarded frame's JPEG and envelope)"),
+    ("spool-writer", "spool writer (transactions, publishing)"),
+    ("bench-cloud", "receipts and verdicts (the agent's handling, on the stand-in's thread)"),
+    ("verdict-writer", "verdict writer"),
+)
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads so far, by thread name without its number
+    (threads Python did not start, such as ORT's and OpenCV's, as "native"); Linux only."""
+    names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu: dict[str, float] = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return cpu
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = names.get(int(task), "native").rstrip("0123456789").rstrip("-")
+        cpu[name] = cpu.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return cpu
+
+
+def _video_window(
+    model: Path, video: Path, window_s: float, *, forward: bool = True
+) -> dict[str, float]:
+    """Start an agent with a camera source on ``video``, time one window, stop it.
+
+    ``forward=False``: routing off (nothing forwarded), to tell the forward path's
+    cost from the rest of the agent's.
+    """
     from edge_agent.agent import Agent
     from edge_agent.settings import AgentSettings, CameraSource
 
@@ -574,20 +614,26 @@ def _video_window(model: Path, video: Path, window_s: float) -> dict[str, float]
             intra_op_threads=INTRA_OP_THREADS,
             ort_spinning=SPINNING,
             cameras=[CameraSource(name="video", uri=str(video), max_fps=10_000.0)],
-            **(_ROUTING_OFF_SETTINGS if ROUTING_OFF else {}),
+            **(_ROUTING_OFF_SETTINGS if ROUTING_OFF or not forward else {}),
         )
         cloud = _StandInCloud(settings.topics, settings.fleet, settings.agent_id)
         with Agent(settings, publisher=cloud) as agent:
             time.sleep(1.0)  # past the first frames
             start_frames, start = agent.telemetry.frames_total, time.perf_counter()
-            cpu = time.process_time()
+            cpu, threads = time.process_time(), _thread_cpu()
             time.sleep(window_s)
             frames = agent.telemetry.frames_total - start_frames
             seconds = time.perf_counter() - start
             cpu_s = time.process_time() - cpu
+            threads = {k: v - threads.get(k, 0.0) for k, v in _thread_cpu().items()}
             snap = agent.telemetry.snapshot()
             dropped = agent.status()["dropped_frames"]
+    per_thread = {
+        f"video_cpu_us_{name}": threads.get(name, 0.0) / max(1, frames) * 1e6
+        for name, _ in AGENT_THREADS
+    }
     return {
+        **per_thread,
         "video_fps": frames / seconds,
         "video_p50_ms": snap["latency_p50_ms"] or 0.0,
         "video_p99_ms": snap["latency_p99_ms"] or 0.0,
@@ -670,8 +716,9 @@ def _video_rounds(
     """The agent's camera source and the raw loops on the same clip, round by round.
 
     Each round times the raw loops on ``n`` frames, then starts an agent on the clip,
-    times one window and stops it, so the two never share the cores and a noisy host
-    slows both sides of a round alike. Figures and ratios (per round) are medians.
+    times one window and stops it (then once more with nothing forwarded), so the two
+    never share the cores and a noisy host slows both sides of a round alike. Figures
+    and ratios (per round) are medians.
     """
     loops = _raw_video_loops(model, video, n)
     for loop in loops.values():
@@ -684,8 +731,14 @@ def _video_rounds(
             figures[f"{name}_fps"] = n / wall
             figures[f"{name}_cpu_ms_per_frame"] = cpu / n * 1e3
         figures.update(_video_window(model, video, window_s))
+        unforwarded = _video_window(model, video, window_s, forward=False)
+        figures["video_unforwarded_fps"] = unforwarded["video_fps"]
+        figures["video_unforwarded_cpu_ms_per_frame"] = unforwarded["video_cpu_ms_per_frame"]
         for name in loops:
             figures[f"video_vs_{name}"] = figures["video_fps"] / figures[f"{name}_fps"]
+        figures["video_unforwarded_vs_raw_video"] = (
+            figures["video_unforwarded_fps"] / figures["raw_video_fps"]
+        )
         rounds.append(figures)
     return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
 
@@ -745,6 +798,7 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
     figures: dict[str, Any] = {}
     http_rows: list[list[Any]] = []
     video_rows: list[list[Any]] = []
+    thread_rows: list[list[Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         jpegs = _frames(n_frames)
@@ -793,7 +847,12 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
                         vid["video_forward_rate"],
                         vid["raw_video_serial_fps"],
                         vid["video_vs_raw_video_serial"],
+                        vid["video_unforwarded_vs_raw_video"],
+                        vid["video_unforwarded_cpu_ms_per_frame"],
                     ]
+                )
+                thread_rows.append(
+                    [label, *(vid[f"video_cpu_us_{name}"] for name, _ in AGENT_THREADS)]
                 )
             figures[label] = {k: round(v, 3) for k, v in result.items()}
     tables = [
@@ -847,6 +906,8 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
                     "forwarded share",
                     "raw ORT fps (one thread; info)",
                     "video / raw one thread (info)",
+                    "video / raw video, nothing forwarded (info)",
+                    "agent CPU ms/frame, nothing forwarded (info)",
                 ],
                 video_rows,
             ),
@@ -858,8 +919,16 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
             f" Agent: a camera source on the file, in process, frames/s over a {window_s:g} s"
             " window after 1 s of warm-up. Each of"
             f" {repeats} rounds times the raw loops on {video_frames} frames, then starts an"
-            " agent, times its window and stops it; figures and ratios (per round) are medians"
-            " over the rounds.",
+            " agent, times its window and stops it, then once more with routing off (nothing"
+            " forwarded; information); figures and ratios (per round) are medians over the"
+            " rounds.",
+            markdown_table(
+                ["model", *(f"{title}, CPU us/frame" for _, title in AGENT_THREADS)],
+                thread_rows,
+            ),
+            "The agent's CPU per answered frame on video, by thread (routing at its defaults;"
+            " medians over the rounds): where the agent's time goes beside the raw loop's"
+            " reading, preparing and inference.",
         ]
     preparation = frame_preparation(repeats=3 if quick else 7)
     tables += [

@@ -37,6 +37,33 @@ def test_video_rounds_report_the_agent_against_each_raw_loop(tmp_path: Path, cli
     assert figures["video_vs_raw_video"] > 0
     assert figures["video_vs_raw_video_serial"] > 0
     assert figures["video_dropped"] == 0  # a file source waits for room, it never drops
+    # Once more with nothing forwarded, and the agent's CPU by thread.
+    assert figures["video_unforwarded_fps"] > 0
+    assert figures["video_unforwarded_vs_raw_video"] > 0
+    assert figures["video_cpu_us_camera-video"] > 0
+    assert figures["video_cpu_us_inference-loop"] > 0
+    assert all(f"video_cpu_us_{name}" in figures for name, _ in bench_agent.AGENT_THREADS)
+
+
+def test_thread_cpu_counts_a_busy_thread_under_its_name_without_its_number() -> None:
+    import threading
+
+    done = threading.Event()
+
+    def spin() -> None:
+        while not done.is_set():
+            pass
+
+    worker = threading.Thread(target=spin, name="bench-probe-7", daemon=True)
+    worker.start()
+    try:
+        time.sleep(0.3)
+        cpu = bench_agent._thread_cpu()
+    finally:
+        done.set()
+        worker.join()
+    assert "MainThread" in cpu and "bench-probe-7" not in cpu
+    assert cpu["bench-probe"] > 0.05  # seconds of CPU the spinning thread used
 
 
 def test_the_stand_in_cloud_receipts_and_answers_every_forwarded_sample(tmp_path: Path) -> None:
