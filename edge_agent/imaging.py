@@ -149,7 +149,7 @@ def prepare_bgr(bgr: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
     Shrunk first, then converted: the same pixels as converting first, for less work.
     """
     small = resize_for_model(bgr, hw)
-    return cv2.cvtColor(small, cv2.COLOR_BGR2RGB, dst=_like(small))
+    return cv2.cvtColor(small, cv2.COLOR_BGR2RGB, dst=np.empty_like(small))
 
 
 def resize_for_model(rgb: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
@@ -185,10 +185,6 @@ def _empty(image: np.ndarray, height: int, width: int) -> np.ndarray:
     through numpy, which takes the interpreter lock in the middle of the call, a wait
     whenever another thread holds it; with the output given, it takes it only after."""
     return np.empty((height, width, *image.shape[2:]), image.dtype)
-
-
-def _like(image: np.ndarray) -> np.ndarray:
-    return np.empty_like(image)
 
 
 def encode_for_upload(
