@@ -45,6 +45,30 @@ def test_video_rounds_report_the_agent_against_each_raw_loop(tmp_path: Path, cli
     assert all(f"video_cpu_us_{name}" in figures for name, _ in bench_agent.AGENT_THREADS)
 
 
+def test_the_per_thread_table_names_threads_the_agent_runs(tmp_path: Path, clip: Path) -> None:
+    """A thread renamed in the agent would read 0 in the bench's table: the names must
+    be the ones a running agent (camera source, stand-in cloud) has."""
+    import threading
+
+    from edge_agent.agent import Agent
+    from edge_agent.settings import AgentSettings, CameraSource
+
+    settings = AgentSettings(
+        data_dir=tmp_path,
+        model_path=make_tiny_student(tmp_path / "student.onnx"),
+        fleet="bench",
+        agent_id="bench-video",
+        route_max_prob_below=1.01,  # forward every frame: every thread has work
+        cameras=[CameraSource(name="video", uri=str(clip), max_fps=200.0)],
+    )
+    cloud = bench_agent._StandInCloud(settings.topics, settings.fleet, settings.agent_id)
+    with Agent(settings, publisher=cloud):
+        time.sleep(0.5)
+        running = {t.name.rstrip("0123456789").rstrip("-") for t in threading.enumerate()}
+    named = {name for name, _ in bench_agent.AGENT_THREADS} - {"native"}
+    assert named <= running, named - running
+
+
 def test_thread_cpu_counts_a_busy_thread_under_its_name_without_its_number() -> None:
     import threading
 
