@@ -71,12 +71,12 @@ CLIENTS = 2 * MAX_BATCH
 INTRA_OP_THREADS = 0  # ORT's default (one per core), for the agent and every baseline
 SPINNING = os.environ.get("BENCH_ORT_SPINNING", "0") == "1"  # the agent's ort_spinning
 DECODE_THREADS = 2  # the agent's http_decode_threads, and the baseline's decode threads
-# BENCH_ROUTING=off: nothing is forwarded (no low-confidence routing, no audit samples),
-# to tell the forward path's cost from the rest of the agent's.
-ROUTING_OFF = os.environ.get("BENCH_ROUTING", "default") == "off"
+# Routing off: nothing is forwarded (no low-confidence routing, no audit samples), to
+# tell the forward path's cost from the rest of the agent's.
 _ROUTING_OFF_SETTINGS: dict[str, Any] = {"route_max_prob_below": 0.0, "audit_share": 0.0}
 TOPIC_PREFIX = "edgeloop-bench/v1"
 FLEET, HTTP_AGENT = "bench", "bench-agent"  # the HTTP bench's agent, for its stand-in cloud
+HTTP_AGENT_UNFORWARDED = "bench-agent-unforwarded"  # its twin with routing off
 
 
 _NO_BROKER = "mqtt://127.0.0.1:9"  # nothing there: the agent spools and keeps answering
@@ -197,17 +197,19 @@ def _raw_loops(model: Path, jpegs: list[bytes]) -> dict[str, Callable[[], object
     return {"raw_decode": pipelined, "raw_decode_serial": serial, "raw": tensors_only}
 
 
-def _write_config(workdir: Path, model: Path, port: int) -> Path:
+def _write_config(workdir: Path, model: Path, port: int, *, forward: bool = True) -> Path:
+    """``edge-agent run``'s config for the HTTP bench; ``forward=False``: routing off."""
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "agent.toml"
+    agent_id = HTTP_AGENT if forward else HTTP_AGENT_UNFORWARDED
     config.write_text(
         f'data_dir = "{workdir}"\nmodel_path = "{model}"\nhttp_port = {port}\n'
-        f'mqtt_url = "{_broker_url()}"\nfleet = "{FLEET}"\nagent_id = "{HTTP_AGENT}"\n'
+        f'mqtt_url = "{_broker_url()}"\nfleet = "{FLEET}"\nagent_id = "{agent_id}"\n'
         f"max_batch = {MAX_BATCH}\nmax_wait_ms = 2.0\nheartbeat_s = 5.0\n"
         f"intra_op_threads = {INTRA_OP_THREADS}\nhttp_decode_threads = {DECODE_THREADS}\n"
         f"ort_spinning = {str(SPINNING).lower()}\n"
         'log_level = "WARNING"\n'
-        + "".join(f"{k} = {v}\n" for k, v in _ROUTING_OFF_SETTINGS.items() if ROUTING_OFF)
+        + "".join(f"{k} = {v}\n" for k, v in _ROUTING_OFF_SETTINGS.items() if not forward)
         + f'topic_prefix = "{TOPIC_PREFIX}"\n'
     )
     return config
@@ -269,15 +271,18 @@ def _burst(socks: list[socket.socket], requests: list[bytes]) -> tuple[list[floa
     return latencies, errors
 
 
-def _client_main(port: int, jpegs: list[bytes], concurrency: int, conn: Connection) -> None:
-    """Child process: answer each "burst" with (seconds, latencies, errors, cpu_s).
+def _client_main(jpegs: list[bytes], concurrency: int, conn: Connection) -> None:
+    """Child process: answer each ``("burst", port)`` with (seconds, latencies, errors, cpu_s).
 
     Each burst opens its connections afresh (the agent closes idle keep-alive
     connections while the raw loops run) and keeps them alive through the burst.
     """
-    requests = [_request(port, j) for j in jpegs]
+    requests: dict[int, list[bytes]] = {}
     conn.send("ready")
-    while conn.recv() == "burst":
+    while (message := conn.recv())[0] == "burst":
+        port = message[1]
+        if port not in requests:
+            requests[port] = [_request(port, j) for j in jpegs]
         cpu, start = time.process_time(), time.perf_counter()
         socks = []
         for _ in range(concurrency):
@@ -285,11 +290,69 @@ def _client_main(port: int, jpegs: list[bytes], concurrency: int, conn: Connecti
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             socks.append(sock)
         try:
-            latencies, errors = _burst(socks, requests)
+            latencies, errors = _burst(socks, requests[port])
         finally:
             for sock in socks:
                 sock.close()
         conn.send((time.perf_counter() - start, latencies, errors, time.process_time() - cpu))
+
+
+# --- the bare HTTP server: the HTTP layer alone, under the same load -----------------
+
+
+def _bare_answer() -> bytes:
+    """An answer's JSON as the agent sends it (ten scores), for the bare server."""
+    from edge_agent.agent import FrameResult
+    from shared.ids import new_sample_id
+
+    scores = [0.01] * 10
+    scores[3] = 0.91
+    result = FrameResult(
+        sample_id=new_sample_id(),
+        label="3",
+        predicted=3,
+        scores=scores,
+        confidence=0.91,
+        forwarded=False,
+        route_reason=None,
+        priority=0,
+        over_budget=False,
+        latency_ms=2.5,
+        model_name="student",
+        model_version="1",
+        source="http",
+    )
+    return json.dumps(result.as_dict()).encode()
+
+
+def bare_app(answer: bytes) -> Callable[..., Any]:
+    """An ASGI app that reads each request's body whole and answers ``answer`` (JSON):
+    what serving HTTP costs before any decoding, inference or routing."""
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(answer)).encode()),
+    ]
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        more = True
+        while more:
+            more = (await receive()).get("more_body", False)
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": answer})
+
+    return app
+
+
+def _bare_main(conn: Connection) -> None:
+    """Child process: the bare app behind the agent's own server (``ApiServer``: the same
+    uvicorn settings); sends its port, serves until told to stop."""
+    from edge_agent.sources.http import ApiServer
+
+    with ApiServer(bare_app(_bare_answer())) as server:
+        conn.send(server.port)
+        conn.recv()
 
 
 def _answer(conn: Connection, client: Any, timeout: float = 300.0) -> Any:
@@ -310,40 +373,66 @@ def _cloud_count(conn: Connection, cloud: Any) -> tuple[int, float]:
     return int(samples), float(cpu)
 
 
-def _http(model: Path, jpegs: list[bytes], repeats: int, workdir: Path) -> dict[str, float]:
-    """The agent behind HTTP and the raw loops, interleaved round by round (a noisy host
-    then slows both sides of each ratio alike); medians over the rounds."""
+def _start_agent(model: Path, workdir: Path, *, forward: bool = True) -> tuple[Any, int]:
+    """``edge-agent run`` in a subprocess on a free port: (process, port)."""
     from shared.broker import free_port
 
-    raw_loops = _raw_loops(model, jpegs)
     port = free_port()
-    config = _write_config(workdir, model, port)
+    config = _write_config(workdir, model, port, forward=forward)
     process = subprocess.Popen(
         [sys.executable, "-m", "edge_agent.cli", "run", "--config", str(config)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    base = f"http://127.0.0.1:{port}"
+    return process, port
+
+
+def _wait_ready(process: Any, port: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or process.poll() is not None:
+            raise RuntimeError("edge-agent run did not become ready")
+        time.sleep(0.1)
+
+
+def _http(model: Path, jpegs: list[bytes], repeats: int, workdir: Path) -> dict[str, float]:
+    """The agent behind HTTP and the raw loops, interleaved round by round (a noisy host
+    then slows both sides of each ratio alike); medians over the rounds.
+
+    Each round also sends a burst to the agent's twin with routing off (nothing
+    forwarded) and to a bare server (``bare_app``: the same uvicorn settings, no
+    decoding, inference or routing), to tell the HTTP layer's and the forward path's
+    costs from the rest of the agent's.
+    """
+    raw_loops = _raw_loops(model, jpegs)
+    agent_process, agent_port = _start_agent(model, workdir / "agent")
+    twin_process, twin_port = _start_agent(model, workdir / "unforwarded", forward=False)
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     client: Any = None
     cloud: Any = None
     cloud_parent, cloud_child = context.Pipe()
+    bare_parent, bare_child = context.Pipe()
+    bare = context.Process(target=_bare_main, args=(bare_child,), name="bench-bare-http")
     rounds: list[dict[str, float]] = []
     latencies: list[float] = []
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(base + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or process.poll() is not None:
-                raise RuntimeError("edge-agent run did not become ready")
-            time.sleep(0.1)
-        agent = psutil.Process(process.pid)
+        bare.start()
+        bare_port = int(_answer(bare_parent, bare))
+        _wait_ready(agent_process, agent_port)
+        _wait_ready(twin_process, twin_port)
+        agent = psutil.Process(agent_process.pid)
+        servers = {
+            "http": (agent, agent_port),
+            "http_unforwarded": (psutil.Process(twin_process.pid), twin_port),
+            "bare_http": (psutil.Process(bare.pid), bare_port),
+        }
         broker = _broker_url()
         if broker != _NO_BROKER:  # the stand-in cloud answers the samples the agent forwards
             cloud = context.Process(
@@ -355,7 +444,7 @@ def _http(model: Path, jpegs: list[bytes], repeats: int, workdir: Path) -> dict[
             if _answer(cloud_parent, cloud) != "ready":
                 raise RuntimeError("the stand-in cloud did not start")
         client = context.Process(
-            target=_client_main, args=(port, jpegs, CLIENTS, child), name="bench-load"
+            target=_client_main, args=(jpegs, CLIENTS, child), name="bench-load"
         )
         client.start()
         if _answer(parent, client) != "ready":
@@ -367,44 +456,56 @@ def _http(model: Path, jpegs: list[bytes], repeats: int, workdir: Path) -> dict[
         for i in range(repeats + 1):  # the first round warms up
             raw_timed = {name: _timed(loop) for name, loop in raw_loops.items()}
             raw_s = {name: wall for name, (wall, _) in raw_timed.items()}
-            agent_cpu = sum(agent.cpu_times()[:2])
-            cloud_cpu = _cloud_count(cloud_parent, cloud)[1]
-            parent.send("burst")
-            seconds, burst, errors, client_cpu = _answer(parent, client)
-            agent_cpu = sum(agent.cpu_times()[:2]) - agent_cpu
-            cloud_cpu = _cloud_count(cloud_parent, cloud)[1] - cloud_cpu
-            if errors:
-                raise RuntimeError(f"{errors} of {n} requests were not answered 200")
+            raw_cpu_ms = raw_timed["raw_decode"][1] / n * 1e3
+            figures = {f"{name}_fps": n / raw for name, raw in raw_s.items()}
+            figures["raw_decode_cpu_ms_per_frame"] = raw_cpu_ms
+            for key, (server, port) in servers.items():
+                server_cpu = sum(server.cpu_times()[:2])
+                cloud_cpu = _cloud_count(cloud_parent, cloud)[1]
+                parent.send(("burst", port))
+                seconds, burst, errors, client_cpu = _answer(parent, client)
+                server_cpu = sum(server.cpu_times()[:2]) - server_cpu
+                cloud_cpu = _cloud_count(cloud_parent, cloud)[1] - cloud_cpu
+                if errors:
+                    raise RuntimeError(f"{errors} of {n} requests to {key} were not answered 200")
+                if key == "http":
+                    latencies += burst if i else []
+                    figures.update(
+                        {f"http_vs_{name}": raw / seconds for name, raw in raw_s.items()}
+                    )
+                    figures["client_cpu_share"] = client_cpu / (seconds * cores)
+                    figures["cloud_cpu_share"] = cloud_cpu / (seconds * cores)
+                    figures["agent_cpu_share"] = server_cpu / (seconds * cores)
+                    figures["agent_cpu_ms_per_frame"] = server_cpu / n * 1e3
+                else:
+                    figures[f"{key}_vs_raw_decode"] = raw_s["raw_decode"] / seconds
+                    figures[f"{key}_cpu_ms_per_frame"] = server_cpu / n * 1e3
+                    if key == "bare_http":
+                        # The HTTP layer's ceiling: the raw loop with the bare server's and
+                        # the load client's CPU per request added, as many cores busy.
+                        added = (server_cpu + client_cpu) / n * 1e3
+                        figures["http_ceiling"] = raw_cpu_ms / (raw_cpu_ms + added)
+                figures[f"{key}_fps"] = n / seconds
             if i:
-                latencies += burst
-                figures = {f"{name}_fps": n / raw for name, raw in raw_s.items()}
-                figures.update({f"http_vs_{name}": raw / seconds for name, raw in raw_s.items()})
-                rounds.append(
-                    {
-                        **figures,
-                        "http_fps": n / seconds,
-                        "client_cpu_share": client_cpu / (seconds * cores),
-                        "cloud_cpu_share": cloud_cpu / (seconds * cores),
-                        "agent_cpu_share": agent_cpu / (seconds * cores),
-                        "agent_cpu_ms_per_frame": agent_cpu / n * 1e3,
-                        "raw_decode_cpu_ms_per_frame": raw_timed["raw_decode"][1] / n * 1e3,
-                    }
-                )
-        parent.send("stop")
+                rounds.append(figures)
+        parent.send(("stop", 0))
         client.join(10)
         rss_served = agent.memory_info().rss / 2**20
-        status = httpx.get(base + "/v1/status", timeout=10).json()
+        status = httpx.get(f"http://127.0.0.1:{agent_port}/v1/status", timeout=10).json()
         forward_rate = status["forward_rate"] or 0.0
         cloud_samples = _cloud_count(cloud_parent, cloud)[0]
         if cloud is not None:
             cloud_parent.send("stop")
             cloud.join(10)
+        bare_parent.send("stop")
+        bare.join(10)
     finally:
-        for child_process in (client, cloud):
+        for child_process in (client, cloud, bare):
             if child_process is not None and child_process.is_alive():
                 child_process.kill()
-        process.terminate()
-        process.wait(20)
+        for process in (agent_process, twin_process):
+            process.terminate()
+            process.wait(20)
     ms = np.array(latencies) * 1e3
     result = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
     result.update(
@@ -614,7 +715,7 @@ def _video_window(
             intra_op_threads=INTRA_OP_THREADS,
             ort_spinning=SPINNING,
             cameras=[CameraSource(name="video", uri=str(video), max_fps=10_000.0)],
-            **(_ROUTING_OFF_SETTINGS if ROUTING_OFF or not forward else {}),
+            **({} if forward else _ROUTING_OFF_SETTINGS),
         )
         cloud = _StandInCloud(settings.topics, settings.fleet, settings.agent_id)
         with Agent(settings, publisher=cloud) as agent:
@@ -827,6 +928,11 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
                     http["raw_decode_cpu_ms_per_frame"],
                     http["rss_served_mb"],
                     http["http_forward_rate"],
+                    http["http_unforwarded_vs_raw_decode"],
+                    http["http_unforwarded_cpu_ms_per_frame"],
+                    http["bare_http_fps"],
+                    http["bare_http_cpu_ms_per_frame"],
+                    http["http_ceiling"],
                 ]
             )
             if video:
@@ -875,6 +981,11 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
                 "raw+decode CPU ms/frame",
                 "agent RSS MB",
                 "forwarded share",
+                "HTTP / raw+decode, nothing forwarded (info)",
+                "agent CPU ms/frame, nothing forwarded (info)",
+                "bare HTTP server requests/s (info)",
+                "bare HTTP server CPU ms/request (info)",
+                "HTTP ceiling: raw+decode with the bare server's and client's CPU (info)",
             ],
             http_rows,
         ),
@@ -887,8 +998,13 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
         " agent and the raw loops decode with edge_agent.imaging.decode_for_model (OpenCV;"
         " a JPEG >= 2x/4x the model input is decoded at 1/2 or 1/4 scale; resize; RGB);"
         " ORT intra-op threads at its default (one per core) everywhere; agent routing at"
-        f" {'off (BENCH_ROUTING=off)' if ROUTING_OFF else 'its defaults'};"
-        " RSS of `edge-agent run` after serving.",
+        " its defaults; RSS of `edge-agent run` after serving. Each round also sends one"
+        " burst to a second `edge-agent run` with routing off (nothing forwarded) and one"
+        " to a bare server (the agent's uvicorn settings, an app that reads each body and"
+        " answers a fixed answer-sized JSON: the HTTP layer alone). The ceiling is the"
+        " raw loop's CPU per frame over that plus the bare server's and the load client's"
+        " CPU per request: the ratio an agent whose only cost beyond the raw loop were"
+        " serving HTTP would reach with as many cores busy.",
     ]
     if video_rows:
         tables += [

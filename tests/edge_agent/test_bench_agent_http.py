@@ -1,0 +1,39 @@
+"""The agent benchmark's HTTP side: the load generator and the bare server it is
+measured against (the HTTP layer alone)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+
+from bench import agent as bench_agent
+from edge_agent.sources.http import ApiServer
+
+
+def test_the_bare_server_reads_each_body_and_answers_an_answer_sized_json() -> None:
+    answer = bench_agent._bare_answer()
+    assert set(json.loads(answer)) >= {"label", "scores", "confidence", "forwarded"}
+    body = bench_agent._frames(1)[0]
+    with ApiServer(bench_agent.bare_app(answer)) as server:
+        response = httpx.post(
+            server.url + "/v1/frames", content=body, headers={"content-type": "image/jpeg"}
+        )
+    assert response.status_code == 200
+    assert response.content == answer
+
+
+def test_a_burst_sends_every_request_over_keep_alive_connections_and_times_each() -> None:
+    frames = bench_agent._frames(3)
+    with ApiServer(bench_agent.bare_app(b'{"ok": true}')) as server:
+        requests = [bench_agent._request(server.port, frames[i % 3]) for i in range(20)]
+        socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+        try:
+            latencies, errors = bench_agent._burst(socks, requests)
+        finally:
+            for sock in socks:
+                sock.close()
+    assert len(latencies) == 20
+    assert errors == 0
+    assert all(latency > 0 for latency in latencies)
