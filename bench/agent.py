@@ -62,7 +62,7 @@ import httpx
 import numpy as np
 import psutil
 
-from bench.common import markdown_table
+from bench.common import markdown_table, ready
 from shared.topics import Topics
 
 MAX_BATCH = 8
@@ -390,12 +390,7 @@ def _start_agent(model: Path, workdir: Path, *, forward: bool = True) -> tuple[A
 
 def _wait_ready(process: Any, port: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+    while not ready(port):
         if time.monotonic() > deadline or process.poll() is not None:
             raise RuntimeError("edge-agent run did not become ready")
         time.sleep(0.1)

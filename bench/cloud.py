@@ -40,7 +40,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -53,7 +52,7 @@ import psutil
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import make_url
 
-from bench.common import markdown_table
+from bench.common import markdown_table, ready
 from bench.envelope import typical_sample
 from cloud_service.batcher import BatcherConfig, DynamicBatcher
 from cloud_service.db.models import Sample, Verdict
@@ -393,7 +392,7 @@ class _VerifierProcesses:
     def __enter__(self) -> _VerifierProcesses:
         deadline = time.monotonic() + 120
         ports = range(self.port, self.port + self.workers)
-        while not all(_ready(port) for port in ports):
+        while not all(ready(port) for port in ports):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.process.kill()
                 raise RuntimeError("the verifier workers did not become ready")
@@ -407,14 +406,6 @@ class _VerifierProcesses:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(10)
-
-
-def _ready(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as answer:
-            return bool(answer.status == 200)
-    except OSError:
-        return False
 
 
 def _processes_end_to_end(topics: Topics, n: int, protocol: Any) -> tuple[float, dict[str, float]]:

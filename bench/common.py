@@ -6,6 +6,7 @@ import os
 import platform
 import statistics
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,15 @@ def median_seconds(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 
         fn()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
+
+
+def ready(port: int) -> bool:
+    """Whether the service on a local ``port`` answers ``/readyz`` with 200."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
 
 
 def cpu_model() -> str:

@@ -37,3 +37,12 @@ def test_a_burst_sends_every_request_over_keep_alive_connections_and_times_each(
     assert len(latencies) == 20
     assert errors == 0
     assert all(latency > 0 for latency in latencies)
+
+
+def test_ready_asks_a_local_service_for_readyz() -> None:
+    from bench.common import ready
+    from shared.broker import free_port
+
+    assert not ready(free_port())  # nothing listens there
+    with ApiServer(bench_agent.bare_app(b"{}")) as server:
+        assert ready(server.port)
