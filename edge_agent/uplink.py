@@ -18,7 +18,7 @@ each cost the agent ~6% more CPU per frame when it forwarded 14% of ~700 frames/
 forwarded on an idle link waited for the select timeout (25 ms on average), and
 paho wrote to its own wake-up socket for every packet it queued.
 
-A broker's PUBACK is not delivery (see ARCHITECTURE.md, "Delivery is end to end"):
+A broker's PUBACK is not delivery (see docs/architecture.md, "Delivery is end to end"):
 nothing here deletes anything; the agent does that on the cloud's receipt.
 """
 

@@ -1,7 +1,7 @@
 """Model manifests, their canonical bytes, and ed25519 fleet signatures.
 
 A manifest names one model artifact and everything an agent checks before it
-installs it (ARCHITECTURE.md, "Model artifacts"). The cloud signs the manifest's
+installs it (docs/architecture.md, "Model artifacts"). The cloud signs the manifest's
 canonical bytes with the fleet's private key; an agent verifies them against the
 public key it was enrolled with.
 

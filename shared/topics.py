@@ -1,6 +1,6 @@
 """MQTT topic names, subscription filters and wildcard matching.
 
-The layout (ARCHITECTURE.md, "Topics"), under a configurable prefix:
+The layout (docs/architecture.md, "Topics"), under a configurable prefix:
 
     {prefix}/{fleet}/{agent}/samples        agent -> cloud   sample envelope
     {prefix}/{fleet}/{agent}/receipts       cloud -> agent   stored sample ids
