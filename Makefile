@@ -14,12 +14,13 @@ PYTEST_ARGS ?=
 DEMO_ARGS   ?=
 BENCH_ARGS  ?=
 
-.PHONY: demo test bench gpu-check lint venv install install-dev system-deps clean help
+.PHONY: demo test bench docs gpu-check lint venv install install-dev system-deps clean help
 
 help:
 	@echo "make demo   - run the loop on embedded defaults (embedded broker, SQLite, local folders)"
 	@echo "make test   - install what tests need and run them"
 	@echo "make bench  - run the benchmark suite; results under bench/results/"
+	@echo "make docs   - regenerate docs/performance.md from bench/results/"
 	@echo "make lint   - ruff and mypy"
 
 $(PY):
@@ -62,6 +63,10 @@ test: install-dev system-deps
 
 bench: install-dev
 	$(PY) -m bench.run $(BENCH_ARGS)
+
+# docs/performance.md is rendered from bench/results/, never typed (a test checks it).
+docs: install
+	$(PY) -m bench.report
 
 # On a GPU machine: the gpu extra from .whl/, GPU tests and benchmarks, within 8 minutes;
 # results under gpu-check-results/.

@@ -88,6 +88,26 @@ def goal_summary(sections: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def render_markdown(report: dict[str, Any]) -> str:
+    """The markdown twin of a results JSON: the machine, the goals table, each section's tables."""
+    machine = ", ".join(f"{k}={v}" for k, v in report["machine"].items())
+    lines = [f"# EdgeLoop benchmarks, {report['started_at']}", "", "Machine: " + machine]
+    lines += ["## Goals", "", *goals_table(report.get("goals", [])), ""]
+    for name, section in report["sections"].items():
+        lines += ["", f"## {name}", ""]
+        for table in section.get("tables", []):
+            lines += [table, ""]
+    return "\n".join(lines) + "\n"
+
+
+def goals_table(goals: list[dict[str, Any]]) -> list[str]:
+    """The goal summary as markdown table lines."""
+    table = ["| goal | measured | target | status |", "|---|---|---|---|"]
+    return table + [
+        f"| {g['goal']} | {g['measured']} | {g['target']} | {g['status']} |" for g in goals
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small models and fewer repeats")
@@ -104,8 +124,6 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "sections": {},
     }
-    markdown = [f"# EdgeLoop benchmarks, {report['started_at']}", ""]
-    markdown.append("Machine: " + ", ".join(f"{k}={v}" for k, v in report["machine"].items()))
     for name in wanted:
         print(f"== {name}", flush=True)
         start = time.perf_counter()
@@ -113,21 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         section = module.run(quick=args.quick)
         section["seconds"] = round(time.perf_counter() - start, 1)
         report["sections"][name] = section
-        markdown += ["", f"## {name}", ""]
         for table in section.get("tables", []):
-            markdown += [table, ""]
             print(table, flush=True)
 
-    summary = goal_summary(report["sections"])
-    report["goals"] = summary
-    table = ["| goal | measured | target | status |", "|---|---|---|---|"]
-    table += [f"| {g['goal']} | {g['measured']} | {g['target']} | {g['status']} |" for g in summary]
-    markdown[3:3] = ["## Goals", "", *table, ""]
-    print("\n".join(table), flush=True)
+    report["goals"] = goal_summary(report["sections"])
+    print("\n".join(goals_table(report["goals"])), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     payload = json.dumps(report, indent=2, default=str)
-    text = "\n".join(markdown) + "\n"
+    text = render_markdown(json.loads(payload))  # exactly what the JSON gives
     for stem in (stamp, "latest"):
         (RESULTS / f"{stem}.json").write_text(payload)
         (RESULTS / f"{stem}.md").write_text(text)
