@@ -288,7 +288,7 @@ def render_mosquitto_conf(
         "allow_anonymous false",
         f"password_file {out / 'passwd'}",
         f"acl_file {out / 'acl'}",
-        # Nagle holds back small PUBACKs: 40 msg/s instead of thousands (docs/architecture.md).
+        # Nagle holds back small PUBACKs and QoS 1 throughput collapses (docs/architecture.md).
         "set_tcp_nodelay true",
         # A slow verifier's queue must not overflow (Mosquitto drops QoS 1 beyond it).
         f"max_queued_messages {max_queued_messages}",

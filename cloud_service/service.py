@@ -9,7 +9,8 @@ picked up again at the next start.
 ``cloud-service verifier --workers N`` runs N verifier processes under one
 supervisor (``run_verifiers``). One process's Python threads share one
 interpreter lock, which its MQTT, storage and verdict work fill before the cores
-are busy (``make bench``: one process keeps 1.5 of 2 cores busy); N processes on
+are busy (``docs/performance.md``, cloud: cores busy with one verifier process
+and with two); N processes on
 the broker's shared subscription split the samples between them, each with its
 own lock. The supervisor starts a worker again when it dies and stops them all on
 SIGTERM/SIGINT.

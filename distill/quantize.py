@@ -110,7 +110,8 @@ KNOWN_SETTINGS: tuple[QuantSettings, ...] = (
     QuantSettings("s8", "s8", True),
 )
 # The measured winner on the reference student (bench/models.py): unsigned activations
-# let the camera byte feed the first conv directly (U8S8 ~1.2x faster than S8S8 here),
+# let the camera byte feed the first conv directly (U8S8 runs faster than S8S8 here:
+# docs/performance.md, models),
 # and reduce_range (7-bit weights) costs no speed with VNNI while keeping AVX2 CPUs
 # without VNNI clear of the int16 saturation in their u8 x s8 multiply-add.
 DEFAULT_SETTINGS = KNOWN_SETTINGS[1]

@@ -18,13 +18,11 @@ Pages are 4 KiB, SQLite's default, chosen by measurement (``python -m bench.spoo
 in ``make bench``): the forward path writes each inference batch's forwarded samples
 in one transaction, so most transactions hold one or two samples, and every page a
 transaction touches (the row's, the two indexes', the counters') goes to the WAL
-whole. Per sample, with the receipt and verdict that follow it (last ``make bench``):
-23 KB envelopes, 201 us of CPU and 50 KiB written with 4 KiB pages against 277 us
-and 195 KiB with 32 KiB pages; 46 KB envelopes, 262 us and 84 KiB against 297 us
-and 220 KiB. 8 KiB pages cost about as much CPU (192-252 us) but write 68-99 KiB;
-4 KiB pages write the least, which is what wears an SD card. Large pages pay off
-only for transactions of many samples, which the agent makes only when it forwards
-most frames. An existing spool keeps its page size. Deletes do not zero the pages
+whole. Per sample, with the receipt and verdict that follow it, larger pages cost
+about as much CPU or more and write more bytes (``docs/performance.md``, spool);
+4 KiB pages write the least, and bytes written are what wears an SD card. Large
+pages pay off only for transactions of many samples, which the agent makes only when
+it forwards most frames. An existing spool keeps its page size. Deletes do not zero the pages
 they free (``connect``): with zeroing, a receipt wrote the sample's payload again.
 
 Durability: WAL with synchronous=NORMAL, so a committed sample survives a crash of

@@ -4,8 +4,8 @@
   connection parameters.
 - ``make_client`` builds a paho-mqtt 2 client that sets ``TCP_NODELAY`` on its
   socket. Without it a paho subscriber's small PUBACKs are held back by Nagle's
-  algorithm and QoS 1 throughput collapses (40 msg/s vs 7,650 msg/s measured on
-  loopback; see docs/architecture.md, "Delivery is end to end").
+  algorithm and QoS 1 throughput collapses (see docs/architecture.md, "Delivery is
+  end to end").
 - ``negotiate_protocol`` asks the broker for MQTT v5 and falls back to 3.1.1 when
   the broker refuses it (amqtt, older brokers).
 """

@@ -12,8 +12,8 @@ exponential backoff; its state (running, reconnecting) shows in status.
 Frames go to the agent in BGR, as OpenCV reads them: the agent shrinks a frame to
 the model's size before converting it to RGB (the same pixels as converting first,
 for less work), and encodes the full BGR frame only when it forwards it. Shrinking
-is not cheap (OpenCV's area filter takes about 0.3 ms from 320x240 to 64x64 on the
-benchmark machine, a third of reading the frame), so each source hands its frames
+is not cheap (OpenCV's area filter from 320x240 to 64x64 costs a good part of what
+reading the frame does: docs/performance.md, agent), so each source hands its frames
 to its own preparation thread and goes back to reading at once: reading one frame
 overlaps shrinking the one before, in arrival order.
 """
