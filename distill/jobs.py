@@ -23,29 +23,42 @@ where noted; each runs in one short transaction in the worker.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, func, select, union, update
 from sqlalchemy.orm import Session
 
+from cloud_service.db.models import Agent, EnrollmentToken
 from cloud_service.errors import ConflictError, NotFoundError
-from distill.store import JOB_STATES, TERMINAL_STATES, DistillJob, JobLog
-from shared.errors import ContractError, EdgeLoopError
+from distill.store import JOB_STATES, TERMINAL_STATES, DistillJob, DistillWorkerRecord, JobLog
+from shared.errors import ContractError, EdgeLoopError, InvalidIdError
+from shared.topics import validate_id
 
 __all__ = [
+    "JOB_PARAMETERS",
     "JobCancelled",
+    "JobParameter",
     "LeaseLost",
+    "QueueStatus",
     "append_log",
+    "beat_worker",
     "cancel",
     "claim",
     "enqueue",
     "finish",
     "get_job",
+    "job_parameter_docs",
+    "known_fleets",
     "list_jobs",
+    "live_workers",
+    "queue_status",
     "read_logs",
     "reap_expired",
+    "remove_worker",
     "renew",
+    "resolve_fleet",
     "validate_params",
 ]
 
@@ -64,41 +77,61 @@ class JobCancelled(EdgeLoopError):
     reason = "cancelled"
 
 
-# Parameters a job accepts, with their type and bounds; anything else is refused.
-_PARAMS: dict[str, tuple[type | tuple[type, ...], float | None, float | None]] = {
-    "fleet": (str, None, None),
-    "model_name": (str, None, None),
-    "epochs": (int, 1, 200),
-    "lr": ((int, float), 1e-6, 1.0),
-    "batch_size": (int, 8, 4096),
-    "temperature": ((int, float), 0.5, 20.0),
-    "alpha": ((int, float), 0.0, 1.0),
-    "patience": (int, 1, 100),
-    "max_samples": (int, 10, 1_000_000),
-    "min_samples": (int, 1, 1_000_000),
-    "replay_share": ((int, float), 0.0, 0.95),
-    "holdout_share": ((int, float), 0.05, 0.5),
-    "val_share": ((int, float), 0.05, 0.5),
-    "min_gain": ((int, float), -1.0, 1.0),
-    "max_reference_drop": ((int, float), 0.0, 1.0),
-    "max_drift_drop": ((int, float), 0.0, 1.0),
-    "int8_tolerance": ((int, float), 0.0, 1.0),
-    "threads": (int, 1, 256),
-    "wall_time_s": ((int, float), 1.0, 7 * 86400.0),
-    "delivery": (str, None, None),
-    "canary_percent": ((int, float), 1.0, 100.0),
-    "drift_eval": (str, None, None),
-    "drift_eval_frames": (int, 10, 100_000),
-    "base_checkpoint": (str, None, None),
-    "serving_model": (str, None, None),
-    "teacher_model": (str, None, None),
-    "quick": (bool, None, None),
-    "seed": (int, 0, 2**31 - 1),
-    "calibration_frames": (int, 16, 100_000),
-    "calibrate_confidence": (bool, None, None),
-    "shift_px": (int, 0, 16),
-    "candidates": (int, 1, 8),
-}
+@dataclass(frozen=True)
+class JobParameter:
+    """One parameter a job accepts: its type, bounds and what it means."""
+
+    name: str
+    kind: type | tuple[type, ...]
+    lo: float | None
+    hi: float | None
+    meaning: str
+
+    @property
+    def type_name(self) -> str:
+        kinds = self.kind if isinstance(self.kind, tuple) else (self.kind,)
+        return "number" if float in kinds else kinds[0].__name__
+
+
+_P = JobParameter
+_NUM = (int, float)
+# Every parameter a job accepts; anything else is refused. Defaults live in
+# distill.pipeline.JobParams (job_parameter_docs joins the two).
+JOB_PARAMETERS: tuple[JobParameter, ...] = (
+    _P("fleet", str, None, None, "the fleet whose verified samples train the job"),
+    _P("model_name", str, None, None, "registry name of a first student"),
+    _P("epochs", int, 1, 200, "training epochs (one-cycle schedule)"),
+    _P("lr", _NUM, 1e-6, 1.0, "peak learning rate"),
+    _P("batch_size", int, 8, 4096, "training batch size"),
+    _P("temperature", _NUM, 0.5, 20.0, "distillation temperature on the teacher's scores"),
+    _P("alpha", _NUM, 0.0, 1.0, "weight of the teacher term against the hard-label term"),
+    _P("patience", int, 1, 100, "epochs without validation gain before stopping; unset: none"),
+    _P("max_samples", int, 10, 1_000_000, "most verified samples taken, newest first"),
+    _P("min_samples", int, 1, 1_000_000, "fewest verified samples the job runs on"),
+    _P("replay_share", _NUM, 0.0, 0.95, "share of replayed earlier data in the training set"),
+    _P("holdout_share", _NUM, 0.05, 0.5, "newest share held out for the gate"),
+    _P("val_share", _NUM, 0.05, 0.5, "share of the rest kept for validation"),
+    _P("min_gain", _NUM, -1.0, 1.0, "accuracy gain over the serving student the gate asks for"),
+    _P("max_reference_drop", _NUM, 0.0, 1.0, "largest accuracy fall allowed on the reference set"),
+    _P("max_drift_drop", _NUM, 0.0, 1.0, "largest fall allowed under each evaluated drift"),
+    _P("int8_tolerance", _NUM, 0.0, 1.0, "largest INT8 accuracy gap to its own FP32"),
+    _P("threads", int, 1, 256, "torch threads of the job"),
+    _P("wall_time_s", _NUM, 1.0, 7 * 86400.0, "seconds the job may run before it fails"),
+    _P("delivery", str, None, None, "after the gate: promote, canary or none"),
+    _P("canary_percent", _NUM, 1.0, 100.0, "share of the fleet in a canary rollout"),
+    _P("drift_eval", str, None, None, "drifts evaluated, NAME:SEVERITY[,...]"),
+    _P("drift_eval_frames", int, 10, 100_000, "frames per drift evaluation"),
+    _P("base_checkpoint", str, None, None, "checkpoint to warm-start from; default: the serving"),
+    _P("serving_model", str, None, None, "ONNX model the new one is compared with"),
+    _P("teacher_model", str, None, None, "ONNX teacher that scores the replay data"),
+    _P("quick", bool, None, None, "small, fast settings (tests and trials)"),
+    _P("seed", int, 0, 2**31 - 1, "random seed"),
+    _P("calibration_frames", int, 16, 100_000, "frames that calibrate the INT8 quantization"),
+    _P("calibrate_confidence", bool, None, None, "fold a softmax temperature into the model"),
+    _P("shift_px", int, 0, 16, "random shifts of training frames, pixels; 0: off"),
+    _P("candidates", int, 1, 8, "students trained with consecutive seeds; the best is kept"),
+)
+_PARAMS = {p.name: p for p in JOB_PARAMETERS}
 _DELIVERY = ("promote", "canary", "none")
 
 
@@ -110,7 +143,8 @@ def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
             raise ContractError(
                 f"unknown job parameter {key!r}; accepted: {', '.join(sorted(_PARAMS))}"
             )
-        kind, lo, hi = _PARAMS[key]
+        spec = _PARAMS[key]
+        kind, lo, hi = spec.kind, spec.lo, spec.hi
         if isinstance(value, bool) and kind is not bool:
             raise ContractError(f"job parameter {key!r} must be a number, got {value!r}")
         if not isinstance(value, kind):
@@ -122,6 +156,11 @@ def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
         out[key] = value
     if out.get("delivery", "promote") not in _DELIVERY:
         raise ContractError(f"delivery must be one of {', '.join(_DELIVERY)}")
+    if "fleet" in out:
+        try:
+            validate_id(str(out["fleet"]), "fleet")
+        except InvalidIdError as exc:
+            raise ContractError(f"job parameter 'fleet': {exc.message}") from exc
     if "drift_eval" in out:
         from distill.drift import DriftSpecError, parse_drift_spec
 
@@ -411,3 +450,146 @@ def read_logs(
         .limit(limit)
     )
     return list(session.scalars(stmt).all())
+
+
+def job_parameter_docs() -> list[dict[str, Any]]:
+    """Each parameter as ``{name, type, default, range, meaning}`` (``edgeloop jobs params``,
+    the UI's job forms)."""
+    from dataclasses import MISSING, fields
+
+    from distill.pipeline import JobParams
+
+    defaults = {f.name: f.default for f in fields(JobParams) if f.default is not MISSING}
+    rows = []
+    for p in JOB_PARAMETERS:
+        default = defaults.get(p.name)
+        rows.append(
+            {
+                "name": p.name,
+                "type": p.type_name,
+                "default": None if default in ("", None) else default,
+                "range": None if p.lo is None or p.hi is None else f"{p.lo:g}..{p.hi:g}",
+                "meaning": p.meaning,
+            }
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------------------
+# Fleets
+
+
+def known_fleets(*, session: Session) -> list[str]:
+    """Fleets with an enrolled agent or an enrollment token, sorted."""
+    stmt = union(select(Agent.fleet), select(EnrollmentToken.fleet))
+    return sorted({str(f) for f in session.scalars(stmt).all()})
+
+
+def resolve_fleet(*, session: Session, fleet: str | None) -> str:
+    """The fleet a job or schedule is for: the one given, else the only known fleet."""
+    if fleet is not None:
+        try:
+            return validate_id(fleet, "fleet")
+        except InvalidIdError as exc:
+            raise ContractError(exc.message) from exc
+    fleets = known_fleets(session=session)
+    if len(fleets) == 1:
+        return fleets[0]
+    if not fleets:
+        raise ContractError(
+            "no fleet is known yet (no enrolled agent, no enrollment token): name one with"
+            ' --fleet (API: "fleet"), or enroll an agent first'
+        )
+    raise ContractError(
+        f'{len(fleets)} fleets are known, say which with --fleet (API: "fleet"):'
+        f" {', '.join(fleets)}"
+    )
+
+
+# ---------------------------------------------------------------------------------
+# Workers: registered while they run, so a queue with nobody to take it is visible
+
+
+def beat_worker(
+    *,
+    session: Session,
+    owner: str,
+    host: str,
+    pid: int,
+    ttl_s: float,
+    job_id: int | None = None,
+    now: datetime | None = None,
+) -> None:
+    """Register ``owner`` or renew its registration: alive until ``now + ttl_s``."""
+    now = _now(now)
+    row = session.get(DistillWorkerRecord, owner)
+    if row is None:
+        row = DistillWorkerRecord(owner=owner, host=host[:255], pid=pid, started_at=now)
+        session.add(row)
+    row.heartbeat_at, row.expires_at, row.job_id = now, now + timedelta(seconds=ttl_s), job_id
+    session.flush()
+
+
+def remove_worker(*, session: Session, owner: str) -> None:
+    """A worker's clean stop: it no longer counts as live."""
+    session.execute(delete(DistillWorkerRecord).where(DistillWorkerRecord.owner == owner))
+
+
+def live_workers(*, session: Session, now: datetime | None = None) -> list[DistillWorkerRecord]:
+    """Workers whose last beat has not expired, oldest first."""
+    stmt = (
+        select(DistillWorkerRecord)
+        .where(DistillWorkerRecord.expires_at > _now(now))
+        .order_by(DistillWorkerRecord.started_at)
+    )
+    return list(session.scalars(stmt).all())
+
+
+@dataclass(frozen=True)
+class QueueStatus:
+    """What the queue holds and who is there to take it."""
+
+    queued: int
+    running: int
+    live_workers: int
+    oldest_queued_s: float | None
+
+    @property
+    def waiting_without_worker(self) -> int:
+        """Queued jobs that no live worker will take (all of them, when none is live)."""
+        return self.queued if self.live_workers == 0 else 0
+
+    @property
+    def warning(self) -> str | None:
+        if not self.waiting_without_worker:
+            return None
+        jobs_word = "job waits" if self.queued == 1 else "jobs wait"
+        return (
+            f"{self.queued} {jobs_word} and no distill worker is running: start one with"
+            " `cloud-service all` or `edgeloop jobs worker`"
+        )
+
+
+def queue_status(*, session: Session, now: datetime | None = None) -> QueueStatus:
+    now = _now(now)
+    counts = dict(
+        session.execute(
+            select(DistillJob.state, func.count())
+            .where(DistillJob.state.in_(("queued", "running")))
+            .group_by(DistillJob.state)
+        ).all()
+    )
+    oldest = session.scalars(
+        select(func.min(DistillJob.created_at)).where(DistillJob.state == "queued")
+    ).first()
+    workers = session.scalars(
+        select(func.count())
+        .select_from(DistillWorkerRecord)
+        .where(DistillWorkerRecord.expires_at > now)
+    ).one()
+    return QueueStatus(
+        queued=int(counts.get("queued", 0)),
+        running=int(counts.get("running", 0)),
+        live_workers=int(workers),
+        oldest_queued_s=None if oldest is None else max(0.0, (now - oldest).total_seconds()),
+    )

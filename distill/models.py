@@ -53,6 +53,7 @@ __all__ = [
     "model_profile",
     "save_checkpoint",
     "torch_threads",
+    "transfer_weights",
 ]
 
 INPUT_ZERO_POINT = 128.0
@@ -310,6 +311,19 @@ def load_checkpoint(path: Path) -> LoadedModel:
     except Exception as exc:
         raise ModelError(f"checkpoint {path} does not match its architecture: {exc}") from exc
     return LoadedModel(net=net.eval(), meta=meta)
+
+
+def transfer_weights(net: nn.Module, state: Mapping[str, torch.Tensor]) -> list[str]:
+    """Copy into ``net`` every tensor of ``state`` whose name and shape match; the names of
+    ``net``'s tensors left as they were (a classifier head of another size, for one).
+
+    A warm start from a student of another class set keeps its features and gives the
+    head its fresh initialisation, instead of failing on a [3, 256] vs [10, 256] weight.
+    """
+    own = net.state_dict()
+    kept = {k: v for k, v in state.items() if k in own and tuple(own[k].shape) == tuple(v.shape)}
+    net.load_state_dict({**own, **kept})
+    return [k for k in own if k not in kept]
 
 
 @contextlib.contextmanager

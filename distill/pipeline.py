@@ -4,34 +4,43 @@
              -> register -> deliver
 
 1. **Snapshot**: the verified samples (teacher verdict; a human label overrides the
-   teacher's), newest first, split by time: the newest ``holdout_share`` is the
-   *recent holdout* the gate judges on, a seeded ``val_share`` of the rest is for
-   early stopping, the remainder trains. Identical frames (a static camera sends the
-   same picture again) count once and stay on one side of the split. The ids are
-   stored (``dataset_snapshots``), so a model version can be traced to the exact
-   samples it saw.
+   teacher's), newest first. The fleet's class set and frame size are the serving
+   student's. The held-out share the gate judges on is, for the reference scenario,
+   the newest ``holdout_share`` (the drift the round answers); for a fleet of its own
+   classes, a stable hash of the sample id picks it, so a sample held out once stays
+   held out in later rounds. A seeded ``val_share`` of the rest is for early stopping,
+   the remainder trains. Identical frames (a static camera sends the same picture
+   again) count once and stay on one side of the split. Each class needs
+   ``min_per_class`` labelled frames. The ids are stored (``dataset_snapshots``), so a
+   model version can be traced to the exact samples it saw.
 2. **Dataset**: verified frames, class-balanced by oversampling, with the teacher's
    probabilities as soft targets (one-hot-ish where a human overrode the teacher),
-   plus a *replay* share of the reference training set scored by the teacher, so
-   the student does not forget the clean line.
+   plus a *replay* share of labelled frames scored by the teacher, so the student does
+   not forget: the reference scenario's training renders when the fleet's models carry
+   its class set (the digits) and no ``data_dir`` is given; else the train split of the
+   job's ``data_dir`` (a user's labelled folder); else none. The digits are never
+   rendered for a fleet of other classes.
 3. **Train**: ``distill.train.train`` with the Hinton loss
    ``alpha * T^2 * KL(teacher_T || student_T) + (1 - alpha) * CE(label)``, warm-started
-   from the serving student's weights, the whole one-cycle schedule (early stopping on
-   validation when ``patience`` is set), torch limited to
-   the job's ``threads``; the job's cancel flag is checked after every step.
-   Then the confidence is **calibrated**: a softmax temperature at which mean
-   confidence equals accuracy on the reference validation split is folded into the
-   last layer, so the edge's forwarding threshold means the same for the new
-   student as for the old.
+   from the serving student's weights (the previous round's checkpoint, else
+   ``base_checkpoint``, e.g. the ``.pt`` that ``edgeloop models train`` writes; a
+   checkpoint of another class set keeps its features and gets a fresh head, logged),
+   the whole one-cycle schedule (early stopping on validation when ``patience`` is
+   set), torch limited to the job's ``threads``; the job's cancel flag is checked after
+   every step. Then the confidence is **calibrated**: a softmax temperature at which
+   mean confidence equals accuracy on validation frames is folded into the last layer,
+   so the edge's forwarding threshold means the same for the new student as for the old.
 4. **Export** to ONNX (BatchNorm folded, ONNX Runtime's offline graph optimisation,
    numeric check), then **INT8** static QDQ calibrated on recent verified frames
    plus replay frames of the clean line (never the holdout the gate judges on).
-5. **Evaluate** new FP32, new INT8 and the serving student on the recent holdout,
-   the fixed reference test set, and the reference test set under each drift.
-6. **Gate**: INT8 beats serving on the recent holdout by at least ``min_gain``, falls
-   at most ``max_reference_drop`` on the reference set (and, with ``max_drift_drop``,
-   under each evaluated drift), and stays within
-   ``int8_tolerance`` of its own FP32. A refused model is not registered; the job
+5. **Evaluate** new FP32, new INT8 and the serving student on the held-out samples,
+   the fixed reference set (the scenario's test split, or the ``data_dir``'s test
+   split; none without either), and the reference set (else the held-out samples)
+   under each drift.
+6. **Gate**: INT8 beats serving on the held-out samples by at least ``min_gain``, falls
+   at most ``max_reference_drop`` on the reference set when there is one (and, with
+   ``max_drift_drop``, under each evaluated drift), and stays within ``int8_tolerance``
+   of its own FP32. A refused model is not registered; the job
    still succeeds, with the reasons in its metrics and log.
 7. **Register** the INT8 model (lineage: job, snapshot, parent version; the metrics),
    keep its checkpoint for the next warm start, and **deliver** it: promote to the
@@ -123,6 +132,12 @@ class JobParams:
     shift_px: int = 4
     # Training runs with seeds seed, seed+1, ...; the lowest validation NLL is kept.
     candidates: int = 1
+    # A labelled folder (ImageFolder, COCO JSON or YOLO; see distill.datasets) of the
+    # fleet's classes: its train split is replayed, its validation split watched, and its
+    # test split is the reference set the gate holds the new student to.
+    data_dir: str = ""
+    # Each of the fleet's classes needs this many labelled frames (samples and data_dir).
+    min_per_class: int = 5
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> JobParams:
@@ -165,7 +180,7 @@ def gate(
     max_drift_drop: float | None = None,
 ) -> GateDecision:
     """The release rule. ``evaluation[model][dataset]`` = accuracy; models new_fp32,
-    new_int8, serving; datasets holdout and reference.
+    new_int8, serving; datasets holdout and (when there is a reference set) reference.
 
     ``sizes`` (frames per dataset) makes the INT8 check count what is evidence: the
     recent holdout is a few dozen of the frames the student was least sure of, where
@@ -179,8 +194,10 @@ def gate(
     """
     new, fp32, old = evaluation["new_int8"], evaluation["new_fp32"], evaluation["serving"]
     gain = new["holdout"] - old["holdout"]
-    ref_drop = old["reference"] - new["reference"]
-    gaps = {d: abs(fp32[d] - new[d]) for d in ("holdout", "reference")}
+    # A fleet of its own classes with no labelled folder has no reference set to hold to.
+    has_reference = "reference" in new and "reference" in old
+    ref_drop = old["reference"] - new["reference"] if has_reference else 0.0
+    gaps = {d: abs(fp32[d] - new[d]) for d in ("holdout", "reference") if d in new and d in fp32}
     int8_gap = max(
         _gap_lower_bound(gap, sizes[d]) if sizes and sizes.get(d) else gap
         for d, gap in gaps.items()
@@ -191,7 +208,7 @@ def gate(
             f"no better on recent data: INT8 {new['holdout']:.3f} vs serving"
             f" {old['holdout']:.3f} (needs a gain above {min_gain:+.3f})"
         )
-    if ref_drop > max_reference_drop:
+    if has_reference and ref_drop > max_reference_drop:
         reasons.append(
             f"falls on the reference set: {new['reference']:.3f} vs serving"
             f" {old['reference']:.3f} (at most {max_reference_drop:.3f} lower allowed)"
@@ -212,7 +229,7 @@ def gate(
         )
     checks = {
         "holdout_gain": round(gain, 4),
-        "reference_drop": round(ref_drop, 4),
+        "reference_drop": round(ref_drop, 4) if has_reference else None,
         "int8_gap": round(int8_gap, 4),
         "int8_gap_raw": {d: round(g, 4) for d, g in gaps.items()},
         "min_gain": min_gain,
@@ -323,14 +340,29 @@ def _distinct(rows: Sequence[_Row], pixels: np.ndarray) -> list[_Frame]:
     return out
 
 
-def _split(frames: list[_Frame], p: JobParams) -> tuple[list[_Frame], list[_Frame], list[_Frame]]:
-    """(train, val, holdout): the newest share is the holdout; val by a stable hash."""
-    n_hold = max(1, round(len(frames) * p.holdout_share))
-    holdout, rest = frames[:n_hold], frames[n_hold:]
+def _split(
+    frames: list[_Frame], p: JobParams, *, by: str = "recent"
+) -> tuple[list[_Frame], list[_Frame], list[_Frame]]:
+    """(train, val, holdout). ``by="recent"``: the newest share is the holdout;
+    ``by="sample-id"``: a stable hash of each picture's first sample id picks it, so a
+    sample held out once stays held out in every later round. Val by a stable hash."""
+
+    def share(f: _Frame, salt: str) -> float:
+        h = hashlib.sha256(f"{salt}/{f.key if salt != 'holdout' else min(f.sample_ids)}".encode())
+        return int.from_bytes(h.digest()[:4], "big") / 2**32
+
+    if by == "sample-id":
+        holdout = [f for f in frames if share(f, "holdout") < p.holdout_share]
+        if not holdout and frames:
+            holdout = [min(frames, key=lambda f: share(f, "holdout"))]
+        held = {id(f) for f in holdout}
+        rest = [f for f in frames if id(f) not in held]
+    else:
+        n_hold = max(1, round(len(frames) * p.holdout_share))
+        holdout, rest = frames[:n_hold], frames[n_hold:]
 
     def in_val(f: _Frame) -> bool:
-        h = hashlib.sha256(f"{p.seed}/{f.key}".encode()).digest()
-        return int.from_bytes(h[:4], "big") / 2**32 < p.val_share
+        return share(f, str(p.seed)) < p.val_share
 
     val = [f for f in rest if in_val(f)]
     train = [f for f in rest if not in_val(f)]
@@ -418,6 +450,156 @@ def _checkpoint_key(job_id: int) -> str:
     return f"distill/jobs/{job_id}/student.pt"
 
 
+def _resolve_serving(
+    services: PipelineServices, p: JobParams, serving_info: tuple[str, str, str] | None, work: Path
+) -> Path:
+    if serving_info is not None:
+        return _blob_to_file(services.blobs, serving_info[2], work / "serving.onnx")
+    if p.serving_model:
+        return Path(p.serving_model)
+    if services.serving_model is not None:
+        return services.serving_model
+    raise ModelError("no serving student to compare with (serving_model)")
+
+
+@dataclass(frozen=True)
+class _Reference:
+    """Labelled frames beside the fleet's samples: replayed in training (``replay``),
+    watched for early stopping and confidence calibration (``val``), and the fixed set
+    the gate holds the new student to (``test``). From the reference scenario's renders
+    when the fleet runs it, else from the job's ``data_dir``, else none."""
+
+    kind: str  # "scenario", "folder" or "none"
+    source: str
+    replay: FrameSet | None = None
+    val: FrameSet | None = None
+    test: FrameSet | None = None
+
+
+def _runs_reference_scenario(classes: Sequence[str], size: int, scenario: Any) -> bool:
+    """The fleet's models carry the reference scenario's class set at its frame size."""
+    from distill.scenario import DIGIT_CLASSES
+
+    return tuple(classes) == DIGIT_CLASSES and size == scenario.frame_size
+
+
+def _folder_split(root: str, split: str, classes: tuple[str, ...], size: int) -> FrameSet | None:
+    """One split of a labelled folder, its labels as indices into the fleet's classes;
+    None when no file of the folder falls into that split."""
+    from distill.datasets import load_data
+    from distill.evaluate import align_labels
+
+    try:
+        loaded = load_data(root, split=split, frame_size=size).frames
+    except DataError as exc:
+        if "no readable images in split" in exc.message:
+            return None
+        raise
+    try:
+        labels = align_labels(loaded, classes)
+    except DataError as exc:
+        raise DataError(f"data_dir {root}: {exc.message}") from exc
+    keep = labels >= 0
+    return _frameset(loaded.frames[keep], labels[keep], classes, f"{loaded.identity}")
+
+
+def _reference_sets(p: JobParams, scenario: Any, classes: tuple[str, ...], size: int) -> _Reference:
+    if p.data_dir:
+        parts = {s: _folder_split(p.data_dir, s, classes, size) for s in _FOLDER_PARTS}
+        return _Reference(
+            "folder",
+            f"data_dir {p.data_dir}",
+            replay=parts["train"],
+            val=parts["validation"],
+            test=parts["test"],
+        )
+    if _runs_reference_scenario(classes, size, scenario):
+        from distill.scenario import render_split
+
+        return _Reference(
+            "scenario",
+            "the reference scenario",
+            replay=render_split("train", scenario),
+            val=render_split("validation", scenario),
+            test=render_split("test", scenario),
+        )
+    return _Reference("none", "no reference set (the fleet's own samples only)")
+
+
+_FOLDER_PARTS = ("train", "validation", "test")
+
+
+def _check_per_class(
+    classes: tuple[str, ...], fleet: np.ndarray, extra: np.ndarray, need: int, source: str
+) -> None:
+    """DataError naming every class with fewer than ``need`` labelled frames."""
+    n = len(classes)
+    have = np.bincount(fleet, minlength=n)[:n] + np.bincount(extra, minlength=n)[:n]
+    short = [c for c, k in zip(classes, have, strict=True) if k < need]
+    if short:
+        listed = ", ".join(f"{c} {int(k)}" for c, k in zip(classes, have, strict=True))
+        raise DataError(
+            f"too few labelled frames for class(es) {', '.join(short)}: each class needs at"
+            f" least {need} (min_per_class); have {listed} (verified samples"
+            + (f" and {source}" if len(extra) else "")
+            + ")"
+        )
+
+
+@dataclass(frozen=True)
+class _WarmStart:
+    state: dict[str, Any]
+    arch: str
+    width: float
+    source: str
+    note: str
+
+
+def _warm_start(
+    candidates: Sequence[Path],
+    classes: tuple[str, ...],
+    seed: int,
+) -> _WarmStart:
+    """Weights to start from: the first checkpoint that exists, with a fresh head when
+    its class set is not the fleet's; a fresh student when there is none."""
+    import torch
+
+    from distill.models import build_model, load_checkpoint, transfer_weights
+
+    path = next((c for c in candidates if c.is_file()), None)
+    torch.manual_seed(seed)
+    if path is None:
+        net = build_model("student-cnn", len(classes))
+        return _WarmStart(
+            net.state_dict(),
+            "student-cnn",
+            1.0,
+            "fresh",
+            "no student checkpoint to warm-start from (base_checkpoint): training a fresh"
+            " student-cnn",
+        )
+    base = load_checkpoint(path)
+    if tuple(base.meta.class_names) == classes:
+        return _WarmStart(
+            base.net.state_dict(),
+            base.meta.arch,
+            base.meta.width,
+            path.name,
+            f"warm start from {path.name} ({base.meta.version})",
+        )
+    net = build_model(base.meta.arch, len(classes), base.meta.width)
+    fresh = transfer_weights(net, base.net.state_dict())
+    return _WarmStart(
+        net.state_dict(),
+        base.meta.arch,
+        base.meta.width,
+        path.name,
+        f"warm start from {path.name}: its {base.meta.num_classes} classes"
+        f" ({', '.join(base.meta.class_names)}) are not the fleet's {len(classes)}"
+        f" ({', '.join(classes)}); kept its features, re-initialised {', '.join(fresh)}",
+    )
+
+
 # ---------------------------------------------------------------------------------
 # The job
 
@@ -426,10 +608,10 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
     """Run one distillation job (see the module docstring for the steps)."""
     from distill.drift import parse_drift_spec
     from distill.evaluate import OnnxClassifier, evaluate
-    from distill.export import export_onnx
-    from distill.models import ModelMeta, load_checkpoint, save_checkpoint
+    from distill.export import export_onnx, read_onnx_info
+    from distill.models import ModelMeta, save_checkpoint
     from distill.quantize import quantize_onnx
-    from distill.scenario import ScenarioConfig, render_split
+    from distill.scenario import ScenarioConfig
     from distill.train import (
         TrainConfig,
         TrainResult,
@@ -480,14 +662,42 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
             f"only {len(rows)} verified samples for fleet {p.fleet!r}; the job needs"
             f" at least {p.min_samples} (min_samples)"
         )
-    size = scenario.frame_size
+    # The fleet's class set and frame size are the serving student's: every sample's
+    # label indexes into them, and the new student must answer with the same classes.
+    serving_path = _resolve_serving(services, p, serving_info, work)
+    serving_meta = read_onnx_info(serving_path)
+    classes, size = serving_meta.labels, serving_meta.frame_size
+    n_cls = len(classes)
+    outside = [r for r in rows if not 0 <= r.label < n_cls]
+    if outside:
+        ctx.log(
+            f"{len(outside)} sample(s) labelled outside the fleet's {n_cls} classes left out",
+            level="warning",
+        )
+        rows = [r for r in rows if 0 <= r.label < n_cls]
+    reference = _reference_sets(p, scenario, classes, size)
+    # Which frames the gate judges: for the reference scenario the newest share (the
+    # drift the round answers); for a fleet's own classes a split by sample id, so a
+    # sample held out once stays held out in every later round.
+    split_by = "recent" if reference.kind == "scenario" else "sample-id"
     pixels = np.empty((len(rows), size, size, 3), dtype=np.uint8)
     for i, r in enumerate(rows):
         pixels[i] = _decode(services.blobs.get(r.image_key), size)
         if i % 64 == 0:
             ctx.check()
     distinct = _distinct(rows, pixels)
-    train_frames, val_frames, hold_frames = _split(distinct, p)
+    train_frames, val_frames, hold_frames = _split(distinct, p, by=split_by)
+    extra_labels = np.concatenate(
+        [s.labels for s in (reference.replay, reference.val) if s is not None]
+        or [np.empty(0, np.int64)]
+    )
+    _check_per_class(
+        classes,
+        np.array([f.row.label for f in distinct], dtype=np.int64),
+        extra_labels,
+        p.min_per_class,
+        reference.source,
+    )
     counts = {
         "verified": len(rows),
         "distinct": len(distinct),
@@ -512,7 +722,8 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
         session.add(snap)
         session.flush()
         snapshot_id = snap.id
-    ctx.log(f"snapshot {snapshot_id}: {counts}")
+    ctx.log(f"snapshot {snapshot_id}: {counts}; holdout split by {split_by}")
+    ctx.log(f"classes ({n_cls}): {', '.join(classes)}; replay and reference: {reference.source}")
     lap("snapshot")
 
     # -- dataset -------------------------------------------------------------------
@@ -522,9 +733,6 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
         x = np.stack([f.pixels for f in part]) if part else np.empty((0, size, size, 3), np.uint8)
         return x, np.array([f.row.label for f in part], dtype=np.int64)
 
-    ref_train = render_split("train", scenario)
-    classes = ref_train.class_names
-    n_cls = len(classes)
     x_ver, y_ver = load(train_frames)
     s_ver = _soft([f.row for f in train_frames], n_cls)
     x_recent = x_ver  # the verified training frames as they arrived (before balancing)
@@ -534,12 +742,34 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
     x_ver, y_ver, s_ver = x_ver[keep], y_ver[keep], s_ver[keep]
 
     teacher_path = Path(p.teacher_model) if p.teacher_model else services.teacher_model
-    n_replay = round(len(x_ver) * p.replay_share / max(1e-6, 1.0 - p.replay_share))
-    n_replay = min(n_replay, len(ref_train))
-    replay_idx = np.sort(rng.choice(len(ref_train), n_replay, replace=False))
-    x_rep, y_rep = ref_train.frames[replay_idx], ref_train.labels[replay_idx]
-    if teacher_path is not None and n_replay:
-        s_rep = OnnxClassifier(teacher_path, threads=p.threads).scores(x_rep).astype(np.float32)
+    teacher = None
+    if teacher_path is not None:
+        teacher = OnnxClassifier(teacher_path, threads=p.threads)
+        if tuple(teacher.class_names) != classes:
+            ctx.log(
+                f"teacher {teacher_path.name} has other classes"
+                f" ({', '.join(teacher.class_names)}): replay frames keep their own labels",
+                level="warning",
+            )
+            teacher = None
+    replay_pool = reference.replay
+    n_replay = 0
+    if replay_pool is not None and len(replay_pool):
+        n_replay = round(len(x_ver) * p.replay_share / max(1e-6, 1.0 - p.replay_share))
+        n_replay = min(n_replay, len(replay_pool))
+    replay_idx = (
+        np.sort(rng.choice(len(replay_pool), n_replay, replace=False))
+        if replay_pool is not None and n_replay
+        else np.empty(0, np.int64)
+    )
+    x_rep = (
+        replay_pool.frames[replay_idx]
+        if replay_pool is not None
+        else np.empty((0, size, size, 3), np.uint8)
+    )
+    y_rep = replay_pool.labels[replay_idx] if replay_pool is not None else np.empty(0, np.int64)
+    if teacher is not None and n_replay:
+        s_rep = teacher.scores(x_rep).astype(np.float32)
     else:
         s_rep = np.full((n_replay, n_cls), 0.05 / n_cls, dtype=np.float32)
         s_rep[np.arange(n_replay), y_rep] += 0.95
@@ -547,44 +777,42 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
         np.concatenate([x_ver, x_rep]), np.concatenate([y_ver, y_rep]), classes, "job-train"
     )
     soft = np.concatenate([s_ver, s_rep]).astype(np.float32)
-    # Early stopping watches verified validation frames and as many clean reference
-    # ones, so it stops neither on drift alone nor on the clean line alone.
-    ref_val = render_split("validation", scenario)
-    n_ref_val = min(len(ref_val), max(len(x_val), 50))
-    ref_val_idx = np.sort(rng.choice(len(ref_val), n_ref_val, replace=False))
-    val_set = _frameset(
-        np.concatenate([x_val, ref_val.frames[ref_val_idx]]),
-        np.concatenate([y_val, ref_val.labels[ref_val_idx]]),
-        classes,
-        "job-val",
-    )
+    # Early stopping watches verified validation frames and as many reference ones, so
+    # it stops neither on drift alone nor on the clean line alone.
+    ref_val = reference.val
+    x_val_all, y_val_all = x_val, y_val
+    if ref_val is not None and len(ref_val):
+        n_ref_val = min(len(ref_val), max(len(x_val), 50))
+        ref_val_idx = np.sort(rng.choice(len(ref_val), n_ref_val, replace=False))
+        x_val_all = np.concatenate([x_val, ref_val.frames[ref_val_idx]])
+        y_val_all = np.concatenate([y_val, ref_val.labels[ref_val_idx]])
+    val_set = _frameset(x_val_all, y_val_all, classes, "job-val")
     holdout = _frameset(x_hold, y_hold, classes, "job-holdout")
     counts.update(train_frames=len(train_set), replay=n_replay, val_frames=len(val_set))
     ctx.log(
         f"dataset: {len(x_ver)} verified (class-balanced) + {n_replay} replay frames,"
-        f" {len(val_set)} validation, {len(holdout)} recent holdout"
+        f" {len(val_set)} validation, {len(holdout)} held out"
     )
     lap("dataset")
 
     # -- train ---------------------------------------------------------------------
     progress("train", 5)
-    base_path: Path | None = None
+    ckpt_candidates: list[Path] = []
     if parent_ckpt and services.blobs.exists(str(parent_ckpt)):
-        base_path = _blob_to_file(services.blobs, str(parent_ckpt), work / "parent.pt")
-    elif p.base_checkpoint:
-        base_path = Path(p.base_checkpoint)
-    elif services.base_checkpoint is not None:
-        base_path = services.base_checkpoint
-    if base_path is None:
-        raise ModelError("no serving student weights to warm-start from (base_checkpoint)")
-    base = load_checkpoint(base_path)
+        ckpt_candidates.append(_blob_to_file(services.blobs, str(parent_ckpt), work / "parent.pt"))
+    if p.base_checkpoint:
+        ckpt_candidates.append(Path(p.base_checkpoint))
+    if services.base_checkpoint is not None:
+        ckpt_candidates.append(services.base_checkpoint)
+    start = _warm_start(ckpt_candidates, classes, p.seed)
+    ctx.log(start.note, level="info" if start.source != "fresh" else "warning")
     version = f"d{ctx.job_id}.{ctx.attempt}"
     candidates: list[tuple[float, TrainResult]] = []
     for c in range(p.candidates):
         cfg = TrainConfig.for_role(
             "student",
-            arch=base.meta.arch,
-            width=base.meta.width,
+            arch=start.arch,
+            width=start.width,
             epochs=p.epochs,
             lr=p.lr,
             batch_size=p.batch_size,
@@ -598,12 +826,12 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
         trained = train(
             cfg,
             train_set,
-            val_set,
+            val_set if len(val_set) else None,
             soft_targets=soft,
             name=p.model_name,
             version=version,
             progress=False,
-            init_state=base.net.state_dict(),
+            init_state=start.state,
             on_step=_step_reporter(progress, offset, share),
             patience=p.patience,
             keep_last=p.patience is None,
@@ -624,21 +852,22 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
     result.metrics["candidates_val_nll"] = [round(n, 5) for n, _ in candidates]
     result.metrics["seed"] = result.config.seed
     ctx.log(
-        f"trained from {base_path.name} ({base.meta.version}): best epoch"
+        f"trained from {start.source}: best epoch"
         f" {result.metrics['best_epoch']} of {len(result.history)},"
         f" val {result.metrics.get('val_acc', float('nan')):.3f}"
     )
     # -- calibrate the confidence --------------------------------------------------
     # The edge forwards a frame when its confidence is below a threshold; temperature
-    # scaling makes that threshold mean the same for every student: on the reference
-    # validation split (whole, never trained on), mean confidence equals accuracy.
+    # scaling makes that threshold mean the same for every student: on validation
+    # frames (the reference scenario's whole validation split; else the job's), mean
+    # confidence equals accuracy.
     temperature = 1.0
-    if p.calibrate_confidence:
-        temperature = fit_temperature(result.net, ref_val.frames, ref_val.labels)
+    calib_val = ref_val if reference.kind == "scenario" and ref_val is not None else val_set
+    if p.calibrate_confidence and len(calib_val):
+        temperature = fit_temperature(result.net, calib_val.frames, calib_val.labels)
         fold_temperature(result.net, temperature)
         ctx.log(
-            f"confidence calibrated on {len(ref_val)} reference validation frames:"
-            f" T = {temperature:.3f}"
+            f"confidence calibrated on {len(calib_val)} validation frames: T = {temperature:.3f}"
         )
     lap("train")
 
@@ -668,33 +897,35 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
 
     # -- evaluate ------------------------------------------------------------------
     progress("evaluate", 78)
-    if serving_info is not None:
-        serving_path = _blob_to_file(services.blobs, serving_info[2], work / "serving.onnx")
-    elif p.serving_model:
-        serving_path = Path(p.serving_model)
-    elif services.serving_model is not None:
-        serving_path = services.serving_model
-    else:
-        raise ModelError("no serving student to compare with (serving_model)")
     models = {
         "new_fp32": OnnxClassifier(fp32_path, threads=p.threads),
         "new_int8": OnnxClassifier(int8_path, threads=p.threads),
         "serving": OnnxClassifier(serving_path, threads=p.threads),
     }
-    ref_test = render_split("test", scenario)
-    n_eval = min(len(ref_test), p.drift_eval_frames)
-    eval_sets: dict[str, tuple[FrameSet, tuple[Any, ...]]] = {
-        "holdout": (holdout, ()),
-        "reference": (ref_test, ()),
-    }
-    test_small = ref_test.subset(np.sort(rng.choice(len(ref_test), n_eval, replace=False)))
+    eval_sets: dict[str, tuple[FrameSet, tuple[Any, ...]]] = {"holdout": (holdout, ())}
+    sizes = {"holdout": len(holdout)}
+    ref_test = reference.test
+    if ref_test is not None and len(ref_test):
+        eval_sets["reference"] = (ref_test, ())
+        sizes["reference"] = len(ref_test)
+    drift_base = ref_test if ref_test is not None and len(ref_test) else holdout
+    n_eval = min(len(drift_base), p.drift_eval_frames)
+    drift_small = drift_base.subset(np.sort(rng.choice(len(drift_base), n_eval, replace=False)))
     for drift in parse_drift_spec(p.drift_eval):
-        eval_sets[f"drift:{drift}"] = (test_small, (drift,))
+        eval_sets[f"drift:{drift}"] = (drift_small, (drift,))
     evaluation: dict[str, dict[str, float]] = {m: {} for m in models}
     for i, (dname, (data, spec)) in enumerate(eval_sets.items()):
         for mname, clf in models.items():
             evaluation[mname][dname] = round(evaluate(clf, data, drift=spec, seed=1).accuracy, 4)
         progress("evaluate", 78 + 14 * (i + 1) / len(eval_sets))
+    ctx.log(
+        f"evaluated on {len(holdout)} held-out samples"
+        + (
+            f" and {sizes['reference']} reference frames ({reference.source})"
+            if "reference" in sizes
+            else ""
+        )
+    )
     lap("evaluate")
 
     # -- gate ----------------------------------------------------------------------
@@ -703,19 +934,21 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
         min_gain=p.min_gain,
         max_reference_drop=p.max_reference_drop,
         int8_tolerance=p.int8_tolerance,
-        sizes={"holdout": len(holdout), "reference": len(ref_test)},
+        sizes=sizes,
         max_drift_drop=p.max_drift_drop,
     )
     metrics: dict[str, Any] = {
         "dataset": counts,
         "snapshot_id": snapshot_id,
+        "classes": list(classes),
+        "reference": {"kind": reference.kind, "source": reference.source, "split_by": split_by},
         "train": {k: v for k, v in result.metrics.items() if not isinstance(v, dict)},
         "history": result.history,
         "evaluation": evaluation,
         "calibration": {"temperature": round(temperature, 4), "int8_frames": len(calib)},
         "gate": {"passed": decision.passed, "reasons": list(decision.reasons), **decision.checks},
         "parent_version": None if serving_info is None else serving_info[1],
-        "warm_start": str(base_path.name),
+        "warm_start": start.source,
         "params": asdict(p),
     }
     if not decision.passed:
