@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from distill.cli_engine import register_engine_command
+from distill.cli_import import register_import_command
 from distill.cli_jobs import jobs_app
 from distill.cli_models import models_app
 from distill.cli_registry import register_commands
@@ -27,6 +28,7 @@ app = typer.Typer(
 add_settings_command(app, EdgeLoopSettings)
 register_commands(models_app)
 register_engine_command(models_app)
+register_import_command(models_app)
 app.add_typer(models_app, name="models")
 app.add_typer(jobs_app, name="jobs")
 app.add_typer(sim_app, name="sim")

@@ -47,7 +47,7 @@ import numpy as np
 
 from edge_agent.settings import AgentSettings
 from shared.errors import EdgeLoopError, MessageError, ModelError, SignatureError
-from shared.manifest import ModelManifest, verify_manifest_bytes
+from shared.manifest import ModelManifest, agent_refusal, verify_manifest_bytes
 from shared.messages import ModelAnnouncement, ModelStatus, decode_message, encode_message
 
 __all__ = [
@@ -391,35 +391,15 @@ class ModelUpdater:
             raise UpdateRefused("no_fleet_key", exc.message) from exc
 
     def _check_compatible(self, manifest: ModelManifest) -> None:
-        limit = self.settings.max_model_opset or max_supported_opset()
-        if manifest.opset > limit:
-            raise UpdateRefused(
-                "incompatible_opset",
-                f"model needs opset {manifest.opset}; onnxruntime {runtime_version()} here"
-                f" runs up to {limit}",
-            )
-        if _version_tuple(runtime_version()) < _version_tuple(manifest.min_runtime_version):
-            raise UpdateRefused(
-                "incompatible_runtime",
-                f"model needs onnxruntime {manifest.min_runtime_version} or newer;"
-                f" this agent has {runtime_version()}",
-            )
-        spec = manifest.input
-        hw = self._current().input_hw
-        expected = ["batch", hw[0], hw[1], 3]
-        shape_ok = len(spec.shape) == 4 and spec.shape[1:] == [hw[0], hw[1], 3]
-        if spec.dtype != "uint8" or spec.layout != "NHWC" or not shape_ok:
-            raise UpdateRefused(
-                "incompatible_input",
-                f"model takes {spec.dtype} {spec.layout} {spec.shape}; this agent feeds"
-                f" uint8 NHWC {expected}",
-            )
-        if spec.name != "frames" or manifest.output_name != "scores":
-            raise UpdateRefused(
-                "incompatible_input",
-                f"model's tensors are {spec.name!r} -> {manifest.output_name!r};"
-                " the student contract is 'frames' -> 'scores'",
-            )
+        # The same check the registry runs on this agent's heartbeat before it announces.
+        refusal = agent_refusal(
+            manifest,
+            input_hw=self._current().input_hw,
+            max_opset=self.settings.max_model_opset or max_supported_opset(),
+            runtime_version=runtime_version(),
+        )
+        if refusal is not None:
+            raise UpdateRefused(*refusal)
 
     def _artifact_url(self, manifest: ModelManifest) -> str:
         if manifest.url.startswith(("http://", "https://")):
@@ -546,6 +526,9 @@ class ModelUpdater:
             engine = self._engine_factory(path)
         except EdgeLoopError as exc:
             raise UpdateRefused("load_failed", exc.message) from exc
+        # The signed manifest names the version: samples are tagged with the registry's
+        # name and version even when the artifact's own metadata says otherwise.
+        engine.name, engine.version = manifest.name, manifest.version
         current = self._current()
         if tuple(engine.input_hw) != tuple(current.input_hw):
             raise UpdateRefused(

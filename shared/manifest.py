@@ -46,7 +46,10 @@ __all__ = [
     "FleetSigningKey",
     "GoldenCase",
     "InputSpec",
+    "ModelCard",
     "ModelManifest",
+    "ModelSource",
+    "agent_refusal",
     "canonical_json",
     "canonical_manifest_bytes",
     "key_id_for",
@@ -180,6 +183,41 @@ class GoldenCase(BaseModel):
         return base64.b64decode(self.input)
 
 
+class ModelSource(BaseModel):
+    """Where an imported model came from and the preprocessing wrapped in front of it.
+
+    ``input`` is the original graph's input as the user described it (its name, dtype,
+    layout, size and ``(pixel * scale - mean) / std``); the wrapped model takes camera
+    bytes and applies exactly that in its graph.
+    """
+
+    model_config = _CONFIG
+
+    file: Text
+    sha256: Annotated[str, Field(pattern=f"^{_SHA256_RE.pattern}$")]
+    input: InputSpec
+    output_name: Text
+    outputs: Literal["logits", "probabilities"]
+
+
+class ModelCard(BaseModel):
+    """The JSON written beside an imported model: its contract, labels and origin."""
+
+    model_config = _CONFIG
+
+    name: ModelName
+    version: Version
+    role: Literal["teacher", "student"]
+    sha256: Annotated[str, Field(pattern=f"^{_SHA256_RE.pattern}$")]
+    input: InputSpec
+    output_name: Text
+    scores: Literal["probabilities"] = "probabilities"
+    labels: list[Text] = Field(min_length=2, max_length=1000)
+    opset: Annotated[int, Field(ge=1, le=1000)]
+    source: ModelSource
+    created_at: UtcDatetime
+
+
 class ModelManifest(BaseModel):
     """What an announcement says about one model artifact."""
 
@@ -202,6 +240,9 @@ class ModelManifest(BaseModel):
     metrics: dict[Annotated[str, Field(min_length=1, max_length=64)], FiniteFloat] = Field(
         default_factory=dict, max_length=64
     )
+    # An imported model's origin and wrapped preprocessing; absent for models trained
+    # here (left out of the canonical bytes when None, so older manifests verify as before).
+    source: ModelSource | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ModelManifest:
@@ -222,6 +263,58 @@ class ModelManifest(BaseModel):
                         f" but there are {len(self.labels)} labels"
                     )
         return self
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+        if not piece.isdigit():
+            break
+    return tuple(parts)
+
+
+def agent_refusal(
+    manifest: ModelManifest, *, input_hw: tuple[int, int], max_opset: int, runtime_version: str
+) -> tuple[str, str] | None:
+    """Why an agent would refuse ``manifest``, as (reason slug, message); None if it would not.
+
+    The agent feeds uint8 NHWC frames of ``input_hw`` (its serving model's size) and runs
+    onnxruntime ``runtime_version``, which runs ai.onnx opsets up to ``max_opset``. The
+    agent applies this before it downloads; the registry applies it to the agents'
+    heartbeats before it accepts or announces a version.
+    """
+    if manifest.opset > max_opset:
+        return (
+            "incompatible_opset",
+            f"model needs opset {manifest.opset}; onnxruntime {runtime_version} runs up to"
+            f" {max_opset}",
+        )
+    if _version_tuple(runtime_version) < _version_tuple(manifest.min_runtime_version):
+        return (
+            "incompatible_runtime",
+            f"model needs onnxruntime {manifest.min_runtime_version} or newer; the agent has"
+            f" {runtime_version}",
+        )
+    spec = manifest.input
+    expected = ["batch", input_hw[0], input_hw[1], 3]
+    shape_ok = len(spec.shape) == 4 and spec.shape[1:] == [input_hw[0], input_hw[1], 3]
+    if spec.dtype != "uint8" or spec.layout != "NHWC" or not shape_ok:
+        return (
+            "incompatible_input",
+            f"model takes {spec.dtype} {spec.layout} {spec.shape}; the agent feeds"
+            f" uint8 NHWC {expected}",
+        )
+    if spec.name != "frames" or manifest.output_name != "scores":
+        return (
+            "incompatible_input",
+            f"model's tensors are {spec.name!r} -> {manifest.output_name!r};"
+            " the student contract is 'frames' -> 'scores'",
+        )
+    return None
 
 
 def canonical_json(value: Any) -> bytes:
