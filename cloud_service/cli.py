@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from pathlib import Path
@@ -34,12 +35,30 @@ app.add_typer(users_app, name="users")
 HostOption = typer.Option(None, "--host", help="Address to listen on (settings: http_host).")
 
 
+def _migrate(url: str) -> None:
+    """Bring the schema up to date without Alembic's INFO lines on the terminal."""
+    from cloud_service.db.session import upgrade_database
+
+    alembic_log = logging.getLogger("alembic")
+    level = alembic_log.level
+    alembic_log.setLevel(logging.WARNING)
+    try:
+        upgrade_database(url)
+    finally:
+        alembic_log.setLevel(level)
+
+
 def _serve(
-    which: str, config: Path | None, host: str | None, port: int | None, workers: int | None = None
+    which: str,
+    config: Path | None,
+    host: str | None,
+    port: int | None,
+    workers: int | None = None,
+    **overrides: object,
 ) -> None:
     from cloud_service import service
 
-    settings = load_settings(CloudSettings, config)
+    settings = load_settings(CloudSettings, config, **overrides)
     default_port = settings.http_port + (1 if which == "verifier" else 0)
     host, port = host or settings.http_host, default_port if port is None else port
     try:
@@ -89,9 +108,15 @@ def all_command(
     config: Path | None = ConfigOption,
     host: str | None = HostOption,
     port: int | None = typer.Option(None, "--port", help="Port (settings: http_port)."),
+    worker: bool | None = typer.Option(
+        None,
+        "--worker/--no-worker",
+        help="Run a distill worker process beside them (settings: distill_worker, on).",
+    ),
 ) -> None:
-    """Run the API and the verifier in one process (one host)."""
-    _serve("all", config, host, port)
+    """Run the API, review UI and verifier in one process, and a distill worker beside it."""
+    overrides = {} if worker is None else {"distill_worker": worker}
+    _serve("all", config, host, port, **overrides)
 
 
 @tokens_app.command("create")
@@ -104,7 +129,7 @@ def create_token_command(
 ) -> None:
     """Create a one-time enrollment token (printed once; only its hash is stored)."""
     from cloud_service.db import crud
-    from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
+    from cloud_service.db.session import make_engine, make_session_factory
     from shared.topics import validate_id
 
     settings = load_settings(CloudSettings, config)
@@ -113,7 +138,7 @@ def create_token_command(
         if agent is not None:
             validate_id(agent, "agent")
         url = settings.resolved_database_url
-        upgrade_database(url)
+        _migrate(url)
         engine = make_engine(url)
         with make_session_factory(engine).begin() as session:
             token, expires_at = crud.create_enrollment_token(
@@ -141,12 +166,12 @@ def _password(password: str | None) -> str:
 
 
 def _with_session(config: Path | None, work):  # type: ignore[no-untyped-def]
-    from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
+    from cloud_service.db.session import make_engine, make_session_factory
 
     settings = load_settings(CloudSettings, config)
     try:
         url = settings.resolved_database_url
-        upgrade_database(url)
+        _migrate(url)
         engine = make_engine(url)
         try:
             with make_session_factory(engine).begin() as session:

@@ -2,9 +2,55 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import logging
+from collections.abc import Callable, Iterator, Mapping
 
-__all__ = ["CloudMetrics"]
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+# Figures of the distillation queue, read from the database at scrape time.
+DISTILL_QUEUE_GAUGES = {
+    "queued": ("edgeloop_distill_jobs_queued", "Distillation jobs waiting for a worker"),
+    "running": ("edgeloop_distill_jobs_running", "Distillation jobs running"),
+    "live_workers": (
+        "edgeloop_distill_workers_live",
+        "Distill workers whose registration beat is current",
+    ),
+    "waiting_without_worker": (
+        "edgeloop_distill_jobs_waiting_without_worker",
+        "Queued distillation jobs while no distill worker is live (nothing will run them)",
+    ),
+    "oldest_queued_s": (
+        "edgeloop_distill_oldest_queued_seconds",
+        "Age of the oldest queued distillation job (0 when none)",
+    ),
+}
+
+
+class _DistillQueueCollector(Collector):
+    """Asks its source for the queue's figures at each scrape; nothing while it has none."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Mapping[str, float]] | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        if self.source is None:
+            return
+        try:
+            figures = self.source()
+        except Exception as exc:  # a scrape must not fail with the database away
+            log.warning("distill queue figures unavailable: %s", exc)
+            return
+        for key, (name, doc) in DISTILL_QUEUE_GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=float(figures.get(key) or 0.0))
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(())
+
+__all__ = ["DISTILL_QUEUE_GAUGES", "CloudMetrics"]
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -93,8 +139,15 @@ class CloudMetrics:
             ["priority"],
             registry=r,
         )
+        self._distill_queue = _DistillQueueCollector()
+        r.register(self._distill_queue)
         self._agreed = 0
         self._verified = 0
+
+    def watch_distill_queue(self, source: Callable[[], Mapping[str, float]]) -> None:
+        """Export the distillation queue's figures (``DISTILL_QUEUE_GAUGES``) from
+        ``source``, called at each scrape."""
+        self._distill_queue.source = source
 
     def observe_verdicts(self, agreed: int, total: int) -> None:
         self._agreed += agreed

@@ -39,7 +39,14 @@ from shared.console import configure_logging
 from shared.errors import ConfigError
 from shared.mqtt import negotiate_protocol
 
-__all__ = ["run_all", "run_api", "run_verifier", "run_verifiers", "worker_settings"]
+__all__ = [
+    "DistillSupervisor",
+    "run_all",
+    "run_api",
+    "run_verifier",
+    "run_verifiers",
+    "worker_settings",
+]
 
 log = logging.getLogger(__name__)
 
@@ -73,19 +80,83 @@ def run_verifier(settings: CloudSettings, *, host: str, port: int) -> None:
 
 
 def run_all(settings: CloudSettings, *, host: str, port: int) -> None:
-    """API and verifier in one process, for one host."""
+    """API and verifier in one process, for one host, and a distill worker process beside
+    them unless ``distill_worker`` is off."""
     if settings.verifier_workers > 1:
         log.warning(
             "cloud-service all runs one verifier; verifier_workers=%d applies to"
             " `cloud-service verifier` only",
             settings.verifier_workers,
         )
+    # The schema first, so the distill worker process finds it current instead of racing.
+    upgrade_database(settings.resolved_database_url)
+    distill = DistillSupervisor(settings) if settings.distill_worker else None
+    if distill is not None:
+        distill.start()
     worker = VerifierWorker(settings)
     worker.start()
     try:
         _serve(create_app(settings, worker=worker), host, port, settings.log_level)
     finally:
         worker.stop()
+        if distill is not None:
+            distill.stop()
+
+
+def _distill_process(settings: CloudSettings) -> None:
+    from distill.worker import serve_worker
+
+    configure_logging(settings.log_level)
+    serve_worker(settings)
+
+
+class DistillSupervisor:
+    """The distill worker of ``cloud-service all``: a process of its own (training takes
+    cores and the interpreter lock, which the verifier's batches need), started again
+    when it dies, stopped (its job requeued) with SIGTERM."""
+
+    def __init__(self, settings: CloudSettings) -> None:
+        self.settings = settings
+        self._context = multiprocessing.get_context("spawn")
+        self._stop = threading.Event()
+        self._process: SpawnProcess | None = None
+        self._thread = threading.Thread(target=self._watch, name="distill-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _launch(self) -> SpawnProcess:
+        process = self._context.Process(
+            target=_distill_process, args=(self.settings,), name="distill-worker"
+        )
+        process.start()
+        log.info("distill worker started (pid %s)", process.pid)
+        return process
+
+    def _watch(self) -> None:
+        backoff_s = 1.0
+        while not self._stop.is_set():
+            started = time.monotonic()
+            self._process = self._launch()
+            while self._process.is_alive() and not self._stop.wait(0.5):
+                pass
+            if self._stop.is_set():
+                return
+            ran = time.monotonic() - started
+            backoff_s = 1.0 if ran >= _HEALTHY_RUN_S else min(backoff_s * 2, _MAX_BACKOFF_S)
+            log.warning(
+                "distill worker exited with code %s after %.0f s; starting it again in %.0f s",
+                self._process.exitcode,
+                ran,
+                backoff_s,
+            )
+            self._stop.wait(backoff_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if self._process is not None:
+            _stop_all([self._process])
 
 
 def worker_settings(settings: CloudSettings, index: int, workers: int) -> CloudSettings:

@@ -128,6 +128,11 @@ class CloudSettings(EdgeLoopSettings):
         description="CPython's thread switch interval while the verifier runs; 0: unchanged",
     )
 
+    distill_worker: bool = Field(
+        default=True,
+        description="`cloud-service all` runs a distill worker process beside the API",
+    )
+
     recovery_grace_s: float = Field(
         default=120.0,
         ge=0.0,

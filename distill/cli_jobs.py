@@ -8,7 +8,7 @@ runs a distill worker in this process until SIGTERM/SIGINT.
 from __future__ import annotations
 
 import json
-import signal
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from shared.errors import EdgeLoopError
 
 jobs_app = typer.Typer(help="Distillation jobs: schedule, run, watch, cancel; run a worker.")
 _console = Console()
+_err_console = Console(stderr=True)
 
 
 def _sessions(config: Path | None) -> tuple[CloudSettings, sessionmaker[Session]]:
@@ -32,8 +33,33 @@ def _sessions(config: Path | None) -> tuple[CloudSettings, sessionmaker[Session]
 
     settings = load_settings(CloudSettings, config)
     url = settings.resolved_database_url
-    upgrade_database(url)
+    alembic_log = logging.getLogger("alembic")
+    alembic_log.setLevel(logging.WARNING)  # a command's output is its answer, not migrations
+    try:
+        upgrade_database(url)
+    except EdgeLoopError as exc:
+        fail(exc.message)
     return settings, make_session_factory(make_engine(url))
+
+
+FleetOption = typer.Option(
+    None,
+    "--fleet",
+    help="The fleet the job trains for (default: the only known fleet, when there is one).",
+)
+
+
+def _with_fleet(session: Session, fleet: str | None, params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with the fleet resolved: --fleet, else --param fleet=, else the only one."""
+    given = params.get("fleet")
+    if fleet is not None and given is not None and given != fleet:
+        fail(f"--fleet {fleet} and --param fleet={given} disagree; give one")
+    chosen = jobs.resolve_fleet(session=session, fleet=fleet or given)
+    return {**params, "fleet": chosen}
+
+
+def _waiting_notice(session: Session) -> str | None:
+    return jobs.queue_status(session=session).warning
 
 
 def _params(items: list[str]) -> dict[str, Any]:
@@ -52,11 +78,12 @@ def _params(items: list[str]) -> dict[str, Any]:
 
 def _job_dict(job: Any, *, metrics: bool = False) -> dict[str, Any]:
     keys = [
-        "id", "state", "phase", "percent", "eta_s", "attempts", "max_attempts", "reason",
+        "id", "state", "fleet", "phase", "percent", "eta_s", "attempts", "max_attempts", "reason",
         "lease_owner", "result_version", "snapshot_id", "error", "params", "created_at",
         "started_at", "finished_at",
     ]  # fmt: skip
-    out = {k: getattr(job, k) for k in keys}
+    out = {k: getattr(job, k) for k in keys if k != "fleet"}
+    out["fleet"] = (job.params or {}).get("fleet")
     for k in ("created_at", "started_at", "finished_at"):
         out[k] = out[k].isoformat() if out[k] else None
     if metrics:
@@ -73,7 +100,10 @@ def _guard(fn: Any) -> Any:
 
 @jobs_app.command("run")
 def run_job(
-    param: list[str] = typer.Option([], "--param", "-p", help="KEY=VALUE job parameter."),
+    fleet: str | None = FleetOption,
+    param: list[str] = typer.Option(
+        [], "--param", "-p", help="KEY=VALUE job parameter (`edgeloop jobs params` lists them)."
+    ),
     reason: str = typer.Option("run now (CLI)", help="Why, for the log."),
     max_attempts: int = typer.Option(3, min=1, max=20),
     config: Path | None = ConfigOption,
@@ -82,18 +112,41 @@ def run_job(
     """Queue a job now (a distill worker picks it up)."""
     _, sessions = _sessions(config)
 
-    def go() -> dict[str, Any]:
+    def go() -> tuple[dict[str, Any], str | None]:
         with sessions.begin() as s:
             job = jobs.enqueue(
-                session=s, params=_params(param), reason=reason, max_attempts=max_attempts
+                session=s,
+                params=_with_fleet(s, fleet, _params(param)),
+                reason=reason,
+                max_attempts=max_attempts,
             )
-            return _job_dict(job)
+            out = _job_dict(job)
+        with sessions() as s:
+            return out, _waiting_notice(s)
 
-    out = _guard(go)
+    out, notice = _guard(go)
     if as_json:
         print_json(out)
-    else:
-        _console.print(f"queued job {out['id']}")
+        return
+    _console.print(f"queued job {out['id']} for fleet {out['fleet']}")
+    if notice:
+        _err_console.print(f"warning: {notice}", markup=False)
+
+
+@jobs_app.command("params")
+def job_params(as_json: bool = JsonOption) -> None:
+    """The parameters a job takes (--param KEY=VALUE): type, default, range, meaning."""
+    rows = jobs.job_parameter_docs()
+    if as_json:
+        print_json(rows)
+        return
+    table = Table(title="job parameters (--param KEY=VALUE)")
+    for col in ("name", "type", "default", "range", "meaning"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        default = "-" if r["default"] is None else json.dumps(r["default"])
+        table.add_row(r["name"], r["type"], default, r["range"] or "", r["meaning"])
+    _console.print(table)
 
 
 @jobs_app.command("list")
@@ -109,18 +162,24 @@ def list_jobs(
         rows = _guard(
             lambda: [_job_dict(j) for j in jobs.list_jobs(session=s, states=state, limit=limit)]
         )
+        status = jobs.queue_status(session=s)
     if as_json:
         print_json(rows)
         return
     table = Table(title="distill jobs")
-    for col in ("id", "state", "phase", "%", "attempts", "version", "reason"):
+    for col in ("id", "state", "fleet", "phase", "%", "attempts", "version", "reason"):
         table.add_column(col)
     for r in rows:
+        shown = r["state"]
+        if shown == "queued" and status.waiting_without_worker:
+            shown = "queued (no worker)"
         table.add_row(
-            str(r["id"]), r["state"], r["phase"] or "", f"{r['percent']:.0f}",
+            str(r["id"]), shown, r["fleet"] or "", r["phase"] or "", f"{r['percent']:.0f}",
             f"{r['attempts']}/{r['max_attempts']}", r["result_version"] or "", r["reason"] or "",
         )  # fmt: skip
     _console.print(table)
+    if status.warning:
+        _console.print(f"warning: {status.warning}", markup=False)
 
 
 @jobs_app.command("show")
@@ -129,12 +188,17 @@ def show_job(job_id: int, config: Path | None = ConfigOption, as_json: bool = Js
     _, sessions = _sessions(config)
     with sessions() as s:
         out = _guard(lambda: _job_dict(jobs.get_job(session=s, job_id=job_id), metrics=True))
+        status = jobs.queue_status(session=s)
+    if out["state"] == "queued":
+        out["waiting"] = status.warning or f"{status.live_workers} distill worker(s) live"
     if as_json:
         print_json(out)
         return
     for key, value in out.items():
-        if key != "metrics":
-            _console.print(f"[bold]{key}[/]: {value}")
+        if key not in ("metrics", "waiting"):
+            _console.print(f"[bold]{key}[/]: {value}", highlight=False)
+    if out["state"] == "queued" and status.warning:
+        _console.print(f"warning: {status.warning}", markup=False)
     gate = out["metrics"].get("gate")
     if gate:
         _console.print(f"[bold]gate[/]: {gate}")
@@ -196,7 +260,10 @@ def schedule(
         None, help="Drift trigger: teacher disagreement bound."
     ),
     window_s: float = typer.Option(900.0, help="Drift trigger: the window, seconds."),
-    param: list[str] = typer.Option([], "--param", "-p", help="KEY=VALUE job parameter."),
+    fleet: str | None = FleetOption,
+    param: list[str] = typer.Option(
+        [], "--param", "-p", help="KEY=VALUE job parameter (`edgeloop jobs params` lists them)."
+    ),
     disable: bool = typer.Option(False, help="Create it disabled."),
     config: Path | None = ConfigOption,
     as_json: bool = JsonOption,
@@ -230,35 +297,47 @@ def schedule(
                 kind=kind,
                 expression=expression,
                 trigger=trigger,
-                params=_params(param),
+                params=_with_fleet(s, fleet, _params(param)),
                 enabled=not disable,
             )
-            return {
-                "id": sch.id,
-                "name": sch.name,
-                "kind": sch.kind,
-                "expression": sch.expression,
-                "trigger": sch.trigger,
-                "enabled": sch.enabled,
-                "next_run_at": sch.next_run_at.isoformat() if sch.next_run_at else None,
-            }
+            return _schedule_dict(sch)
 
     out = _guard(go)
     if as_json:
         print_json(out)
     else:
-        _console.print(f"schedule {out['id']} {out['name']}: {out['kind']} {out['expression']}")
+        _console.print(
+            f"schedule {out['id']} {out['name']} for fleet {out['fleet']}:"
+            f" {out['kind']} {out['expression']}"
+        )
+
+
+def _schedule_dict(x: Any) -> dict[str, Any]:
+    return {
+        "id": x.id,
+        "name": x.name,
+        "fleet": (x.params or {}).get("fleet"),
+        "kind": x.kind,
+        "expression": x.expression,
+        "trigger": x.trigger,
+        "params": x.params,
+        "enabled": x.enabled,
+        "last_run_at": x.last_run_at.isoformat(timespec="seconds") if x.last_run_at else None,
+        "next_run_at": x.next_run_at.isoformat(timespec="seconds") if x.next_run_at else None,
+        "last_job_id": x.last_job_id,
+    }
 
 
 @jobs_app.command("schedules")
 def list_schedules(
     enable: int | None = typer.Option(None, help="Enable this schedule id."),
     disable: int | None = typer.Option(None, help="Disable this schedule id."),
+    delete: int | None = typer.Option(None, help="Delete this schedule id."),
     run_now: int | None = typer.Option(None, "--run-now", help="Queue this schedule's job now."),
     config: Path | None = ConfigOption,
     as_json: bool = JsonOption,
 ) -> None:
-    """List schedules; --enable/--disable/--run-now ID act on one first."""
+    """List schedules; --enable/--disable/--delete/--run-now ID act on one first."""
     _, sessions = _sessions(config)
 
     def act() -> None:
@@ -267,30 +346,35 @@ def list_schedules(
                 schedules.set_enabled(session=s, schedule_id=enable, enabled=True)
             if disable is not None:
                 schedules.set_enabled(session=s, schedule_id=disable, enabled=False)
+            if delete is not None:
+                schedules.delete_schedule(session=s, schedule_id=delete)
             if run_now is not None:
                 job = schedules.run_now(session=s, schedule_id=run_now)
-                _console.print(f"queued job {job.id}")
+                if not as_json:
+                    _console.print(f"queued job {job.id}")
 
     _guard(act)
     with sessions() as s:
-        rows = [
-            {
-                "id": x.id,
-                "name": x.name,
-                "kind": x.kind,
-                "expression": x.expression,
-                "trigger": x.trigger,
-                "enabled": x.enabled,
-                "last_run_at": x.last_run_at.isoformat() if x.last_run_at else None,
-                "next_run_at": x.next_run_at.isoformat() if x.next_run_at else None,
-            }
-            for x in schedules.list_schedules(session=s)
-        ]
+        rows = [_schedule_dict(x) for x in schedules.list_schedules(session=s)]
     if as_json:
         print_json(rows)
         return
+    if not rows:
+        _console.print("no schedules (create one with `edgeloop jobs schedule NAME ...`)")
+        return
+    table = Table(title="schedules")
+    for col in ("id", "name", "fleet", "when", "enabled", "next run", "last run", "last job"):
+        table.add_column(col)
     for r in rows:
-        _console.print(r)
+        when = f"{r['kind']} {r['expression']}"
+        if r["trigger"]:
+            when += " " + ", ".join(f"{k}={v}" for k, v in sorted(r["trigger"].items()))
+        table.add_row(
+            str(r["id"]), r["name"], r["fleet"] or "", when, "yes" if r["enabled"] else "no",
+            r["next_run_at"] or "-", r["last_run_at"] or "-",
+            "-" if r["last_job_id"] is None else str(r["last_job_id"]),
+        )  # fmt: skip
+    _console.print(table)
 
 
 @jobs_app.command("worker")
@@ -305,51 +389,22 @@ def worker(
     config: Path | None = ConfigOption,
 ) -> None:
     """Run a distill worker until SIGTERM/SIGINT (a running job is requeued on stop)."""
-    from contextlib import nullcontext
+    from distill.worker import serve_worker
 
-    from cloud_service.announce import MqttAnnouncer
-    from cloud_service.api.state import load_signing_key
-    from cloud_service.blobs import open_blob_store
-    from distill.cache import reference_model_path
-    from distill.health import HealthServer
-    from distill.pipeline import PipelineServices, make_runner
-    from distill.worker import DistillWorker
+    settings = load_settings(CloudSettings, config)
 
-    settings, sessions = _sessions(config)
+    def started(w: Any) -> None:
+        _console.print(f"distill worker {w.owner} on {settings.resolved_database_url}")
 
-    def ref(alias: str) -> Path | None:
-        try:
-            return reference_model_path(alias)
-        except EdgeLoopError:
-            return None
-
-    work_dir = settings.data_dir / "distill"
-    work_dir.mkdir(parents=True, exist_ok=True)
-    services = PipelineServices(
-        sessions=sessions,
-        blobs=open_blob_store(settings),
-        work_dir=work_dir,
-        signing_key=load_signing_key(settings),
-        announcer=MqttAnnouncer(settings.mqtt, client_id=f"{settings.announcer_client_id}-distill"),
-        topics=settings.topics,
-        base_checkpoint=ref("student.pt"),
-        serving_model=ref("student-int8"),
-        teacher_model=ref("teacher"),
+    w = _guard(
+        lambda: serve_worker(
+            settings,
+            lease_s=lease_s,
+            poll_s=poll_s,
+            max_jobs=max_jobs,
+            health_host=health_host,
+            health_port=health_port,
+            on_start=started,
+        )
     )
-    w = DistillWorker(sessions, runner=make_runner(services), lease_s=lease_s, poll_s=poll_s)
-
-    def on_signal(signum: int, frame: Any) -> None:
-        _console.print(f"signal {signum}: stopping after handing back the current job")
-        w.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    _console.print(f"distill worker {w.owner} on {settings.resolved_database_url}")
-    probes = (
-        HealthServer(w.health, health_host, health_port)
-        if health_port is not None
-        else nullcontext()
-    )
-    with probes:
-        ran = w.run(max_jobs=max_jobs)
-    _console.print(f"ran {ran} job(s): {w.finished}")
+    _console.print(f"ran {len(w.finished)} job(s): {w.finished}")

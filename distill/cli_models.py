@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from enum import StrEnum
@@ -57,6 +58,23 @@ CacheOpt = Annotated[
 QuickOpt = Annotated[
     bool, typer.Option("--quick", help="The small, seconds-to-train reference configuration.")
 ]
+BootstrapQuickOpt = Annotated[
+    bool,
+    typer.Option(
+        "--quick",
+        envvar="EDGELOOP_BOOTSTRAP_QUICK",
+        help="The small, seconds-to-train reference configuration.",
+    ),
+]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        "-c",
+        help="TOML settings of the process that serves the model (cloud-service for the"
+        " teacher, edge-agent for the student); EDGELOOP_* variables win over it.",
+    ),
+]
 
 
 @contextlib.contextmanager
@@ -89,20 +107,74 @@ def _resolve_model(model: str, cache_dir: Path | None, quick: bool) -> Path:
     )
 
 
+def installed_model_path(role: str, config: Path | None = None) -> Path:
+    """Where the process serving ``role`` loads its model: the cloud's teacher, the agent's
+    student (``DATA_DIR/models/teacher.onnx`` and ``student.onnx`` unless configured)."""
+    if role == "teacher":
+        from cloud_service.settings import CloudSettings
+
+        return CloudSettings.load(config).resolved_teacher_model
+    if role == "student":
+        from edge_agent.settings import AgentSettings
+
+        return AgentSettings.load(config).resolved_model_path
+    raise ModelError(f"unknown role {role!r}; roles: teacher, student")
+
+
+def install_model(source: Path, role: str, config: Path | None = None) -> Path:
+    """Put ``source`` where ``role``'s process loads it, after checking that ONNX Runtime
+    loads it; the old file is replaced in one step (a reader sees the old or the new)."""
+    import onnxruntime as ort
+
+    source = source.expanduser()
+    if not source.is_file():
+        raise ModelError(f"no model file at {source}")
+    try:
+        ort.InferenceSession(str(source), providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own untyped errors
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"{source} does not load in ONNX Runtime: {first}") from exc
+    target = installed_model_path(role, config)
+    if target.resolve() == source.resolve():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
 @models_app.command()
 def bootstrap(
-    quick: QuickOpt = False,
+    quick: BootstrapQuickOpt = False,
     json_out: JsonOpt = False,
     cache_dir: CacheOpt = None,
+    install: Annotated[
+        bool,
+        typer.Option(
+            "--install/--no-install",
+            help="Install the teacher and the INT8 student where cloud-service and"
+            " edge-agent load them (DATA_DIR/models).",
+        ),
+    ] = True,
+    config: ConfigOpt = None,
 ) -> None:
-    """Train (if not cached) the reference teacher and student; print their figures."""
+    """Train (if not cached) the reference teacher and student, install them, print figures."""
     with _friendly_errors():
         refs = bootstrap_reference_models(cache_dir, quick=quick, progress=True, console=_err)
+        installed: dict[str, str] = {}
+        if install:
+            installed["teacher"] = str(install_model(refs.teacher_onnx, "teacher", config))
+            installed["student"] = str(install_model(refs.student_int8_onnx, "student", config))
         t, s = refs.metrics["teacher"], refs.metrics["student"]
         if json_out:
             _print_json(
                 {
                     **{k: v for k, v in refs.to_dict().items() if k != "metrics"},
+                    "installed": installed,
                     "cache_dir": str(cache_dir or default_cache_dir()),
                     "teacher": {k: v for k, v in t.items() if k not in ("history", "layers")},
                     "student": {k: v for k, v in s.items() if k not in ("history", "layers")},
@@ -139,6 +211,27 @@ def bootstrap(
         _out.print(f"student: {refs.student_onnx.parent}", soft_wrap=True)
         built = ", ".join(refs.built) if refs.built else "nothing (all cached)"
         _out.print(f"trained now: {built}")
+        for role, path in installed.items():
+            _out.print(f"installed the {role}: {path}", soft_wrap=True)
+
+
+@models_app.command("install")
+def install_cmd(
+    model: Annotated[Path, typer.Argument(help="The ONNX file to serve.")],
+    role: Annotated[
+        RoleChoice,
+        typer.Option("--role", help="teacher: the cloud verifier's; student: the agents'."),
+    ],
+    config: ConfigOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Install an ONNX model where cloud-service (teacher) or edge-agent (student) loads it."""
+    with _friendly_errors():
+        path = install_model(model, role.value, config)
+    if json_out:
+        _print_json({"role": role.value, "source": str(model), "installed": str(path)})
+    else:
+        _out.print(f"installed the {role.value}: {path}", soft_wrap=True)
 
 
 @models_app.command("train")

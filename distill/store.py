@@ -1,7 +1,7 @@
 """The distillation tables: jobs, their logs, schedules and dataset snapshots.
 
 They share the cloud store's ``Base`` (one metadata) and are created by the
-migration ``0003_distill_jobs``. A job moves through::
+migrations ``0003_distill_jobs`` and ``0005_distill_workers``. A job moves through::
 
     queued -> running -> succeeded | failed | cancelled
        ^         |
@@ -28,6 +28,7 @@ __all__ = [
     "TERMINAL_STATES",
     "DatasetSnapshot",
     "DistillJob",
+    "DistillWorkerRecord",
     "JobLog",
     "Schedule",
 ]
@@ -65,6 +66,21 @@ class DistillJob(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+
+class DistillWorkerRecord(Base):
+    """A distill worker that is running: it registers at start, beats while it lives and
+    removes itself at a clean stop; past ``expires_at`` without a beat it counts as gone."""
+
+    __tablename__ = "distill_workers"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(index=True)
+    job_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class JobLog(Base):

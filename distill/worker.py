@@ -25,12 +25,12 @@ import os
 import socket
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import update
 from sqlalchemy.exc import SQLAlchemyError
@@ -41,6 +41,9 @@ from distill.jobs import JobCancelled, LeaseLost
 from distill.store import DistillJob
 from shared.errors import EdgeLoopError
 
+if TYPE_CHECKING:
+    from cloud_service.settings import CloudSettings
+
 __all__ = [
     "DistillWorker",
     "JobContext",
@@ -48,6 +51,7 @@ __all__ = [
     "JobTimeout",
     "WorkerStopping",
     "default_owner",
+    "serve_worker",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,6 +67,15 @@ class WorkerStopping(EdgeLoopError):
     """The worker was asked to stop (SIGTERM); the job goes back to the queue."""
 
     reason = "stopping"
+
+
+def _reason(exc: BaseException) -> str:
+    """One line a person can act on: our errors' message, else the exception's type and text."""
+    if isinstance(exc, EdgeLoopError):
+        text = exc.message
+    else:
+        text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return " ".join(text.split())[:500]
 
 
 def default_owner() -> str:
@@ -158,6 +171,8 @@ class DistillWorker:
         heartbeat_s: float | None = None,
         poll_s: float = 1.0,
         default_wall_time_s: float | None = 3600.0,
+        beat_s: float = 10.0,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         if lease_s <= 0:
             raise ValueError("lease_s must be > 0")
@@ -169,6 +184,11 @@ class DistillWorker:
         self.heartbeat_s = heartbeat_s or lease_s / 3.0
         self.poll_s = poll_s
         self.default_wall_time_s = default_wall_time_s
+        # The worker's own registration (distill_workers): renewed every beat_s, it counts
+        # as gone three missed beats later, so a queue with nobody to take it shows.
+        self.beat_s = beat_s
+        self.clock = clock
+        self._last_beat: datetime | None = None
         self.stopping = threading.Event()
         self.current: JobContext | None = None
         self.finished: list[tuple[int, str]] = []  # (job id, final state) for this worker
@@ -191,13 +211,47 @@ class DistillWorker:
     def stop(self) -> None:
         self.stopping.set()
 
+    def beat(self, *, force: bool = False) -> None:
+        """Register this worker, or renew its registration once ``beat_s`` has passed."""
+        now = self.clock()
+        last = self._last_beat
+        if not force and last is not None and (now - last).total_seconds() < self.beat_s:
+            return
+        current = self.current
+        with self.sessions.begin() as session:
+            jobs.beat_worker(
+                session=session,
+                owner=self.owner,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                ttl_s=3 * self.beat_s,
+                job_id=None if current is None else current.job_id,
+                now=now,
+            )
+        self._last_beat = now
+
+    def unregister(self) -> None:
+        """Remove this worker's registration (a clean stop); a failure only logs."""
+        try:
+            with self.sessions.begin() as session:
+                jobs.remove_worker(session=session, owner=self.owner)
+        except SQLAlchemyError as exc:
+            log.warning("could not unregister distill worker %s: %s", self.owner, exc)
+
     def run(self, *, max_jobs: int | None = None, idle_exit_s: float | None = None) -> int:
         """Claim and run jobs until ``stop()`` (or ``max_jobs`` run, or idle that long)."""
+        try:
+            return self._loop(max_jobs=max_jobs, idle_exit_s=idle_exit_s)
+        finally:
+            self.unregister()
+
+    def _loop(self, *, max_jobs: int | None, idle_exit_s: float | None) -> int:
         ran, idle_since = 0, time.monotonic()
         while not self.stopping.is_set():
             if max_jobs is not None and ran >= max_jobs:
                 break
             try:
+                self.beat()
                 job_id = self.run_once()
             except SQLAlchemyError as exc:  # the database is away: not ready, try again
                 self.database_ok = False
@@ -262,15 +316,9 @@ class DistillWorker:
             return self._requeue(ctx, "worker stopped (SIGTERM); requeued for another worker")
         except JobTimeout as exc:
             return self._end(ctx, "failed", error=str(exc))
-        except Exception as exc:  # the job's own failure, recorded with its traceback
-            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            with self.sessions.begin() as session:
-                jobs.append_log(
-                    session=session,
-                    job_id=ctx.job_id,
-                    message=traceback.format_exc(limit=8),
-                    level="error",
-                )
+        except Exception as exc:  # the job's own failure: its reason in the job, the trace here
+            detail = _reason(exc)
+            log.exception("job %d failed: %s", ctx.job_id, detail)
             return self._end(ctx, "failed", error=detail)
         return self._end(
             ctx,
@@ -349,5 +397,88 @@ class DistillWorker:
                 self.last_contact = time.monotonic()
                 continue
             self.last_contact = time.monotonic()
+            try:
+                self.beat()
+            except SQLAlchemyError as exc:
+                log.warning("distill worker %s: registration beat failed: %s", self.owner, exc)
             if cancel:
                 ctx.cancelled.set()
+
+
+def _installed_or_reference(installed: Path, alias: str) -> Path | None:
+    """A model installed for serving (``edgeloop models install``), else the cached
+    reference one, else None."""
+    if installed.is_file():
+        return installed
+    from distill.cache import reference_model_path
+
+    try:
+        return reference_model_path(alias)
+    except EdgeLoopError:
+        return None
+
+
+def serve_worker(
+    settings: CloudSettings,
+    *,
+    lease_s: float = 30.0,
+    poll_s: float = 2.0,
+    max_jobs: int | None = None,
+    health_host: str = "0.0.0.0",
+    health_port: int | None = None,
+    on_start: Callable[[DistillWorker], None] | None = None,
+) -> DistillWorker:
+    """Run a distill worker over ``settings`` in this thread until it is stopped (SIGTERM
+    and SIGINT stop it when this is the main thread); returns the stopped worker."""
+    import signal
+    from contextlib import AbstractContextManager, nullcontext
+
+    from cloud_service.announce import MqttAnnouncer
+    from cloud_service.api.state import load_signing_key
+    from cloud_service.blobs import open_blob_store
+    from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
+    from distill.health import HealthServer
+    from distill.pipeline import PipelineServices, make_runner
+
+    url = settings.resolved_database_url
+    upgrade_database(url)
+    engine = make_engine(url)
+    sessions = make_session_factory(engine)
+    work_dir = settings.data_dir / "distill"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    models_dir = settings.data_dir / "models"
+    services = PipelineServices(
+        sessions=sessions,
+        blobs=open_blob_store(settings),
+        work_dir=work_dir,
+        signing_key=load_signing_key(settings),
+        announcer=MqttAnnouncer(settings.mqtt, client_id=f"{settings.announcer_client_id}-distill"),
+        topics=settings.topics,
+        base_checkpoint=_installed_or_reference(models_dir / "student.pt", "student.pt"),
+        serving_model=_installed_or_reference(models_dir / "student.onnx", "student-int8"),
+        teacher_model=_installed_or_reference(settings.resolved_teacher_model, "teacher"),
+    )
+    worker = DistillWorker(sessions, runner=make_runner(services), lease_s=lease_s, poll_s=poll_s)
+    if threading.current_thread() is threading.main_thread():
+
+        def on_signal(signum: int, frame: Any) -> None:
+            log.info("signal %d: distill worker stops after handing back its job", signum)
+            worker.stop()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    probes: AbstractContextManager[Any] = (
+        HealthServer(worker.health, health_host, health_port)
+        if health_port is not None
+        else nullcontext()
+    )
+    try:
+        with probes:
+            if on_start is not None:
+                on_start(worker)
+            worker.run(max_jobs=max_jobs)
+    finally:
+        if services.announcer is not None:
+            services.announcer.close()
+        engine.dispose()
+    return worker

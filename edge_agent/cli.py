@@ -11,9 +11,8 @@ from typing import Any
 
 import typer
 
-from edge_agent.settings import AgentSettings
+from edge_agent.settings import AgentSettings, default_config_path
 from shared.console import (
-    ConfigOption,
     JsonOption,
     add_settings_command,
     fail,
@@ -27,12 +26,26 @@ app = typer.Typer(
 )
 add_settings_command(app, AgentSettings)
 
-DEFAULT_CONFIG = Path("~/.config/edgeloop/agent.toml")
+AgentConfigOption = typer.Option(
+    None,
+    "--config",
+    "-c",
+    help="TOML settings file (default: the one `edge-agent enroll` wrote,"
+    " $XDG_CONFIG_HOME/edgeloop/agent.toml, when it exists); EDGELOOP_* variables win.",
+)
+
+
+def _agent_config(config: Path | None) -> Path | None:
+    """The file to read: ``--config``, else the enrolled config when there is one."""
+    if config is not None:
+        return config
+    enrolled = default_config_path()
+    return enrolled if enrolled.is_file() else None
 
 
 @app.command("run")
 def run(
-    config: Path | None = ConfigOption,
+    config: Path | None = AgentConfigOption,
     host: str | None = typer.Option(
         None, "--host", help="HTTP API address (default from settings)."
     ),
@@ -46,7 +59,7 @@ def run(
         overrides["http_host"] = host
     if port is not None:
         overrides["http_port"] = port
-    settings = load_settings(AgentSettings, config, **overrides)
+    settings = load_settings(AgentSettings, _agent_config(config), **overrides)
     try:
         run_agent(settings)
     except EdgeLoopError as exc:
@@ -65,16 +78,27 @@ def _spool_summary(path: Path) -> dict[str, Any]:
     return {"path": str(path), "exists": True, "depth": depth, "bytes": size, **counters}
 
 
+def _fmt(value: Any, digits: int) -> str:
+    """A figure rounded for reading; '-' where the agent has none yet."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-" if value is None else str(value)
+    return f"{value:.{digits}f}"
+
+
 @app.command("status")
 def status(
-    config: Path | None = ConfigOption,
+    config: Path | None = AgentConfigOption,
+    port: int | None = typer.Option(
+        None, "--port", help="The agent's HTTP API port (default from settings)."
+    ),
     as_json: bool = JsonOption,
     timeout: float = typer.Option(2.0, help="Seconds to wait for the running agent."),
 ) -> None:
     """Show the running agent's status (its local API), else what its spool holds."""
     import httpx
 
-    settings = load_settings(AgentSettings, config)
+    overrides: dict[str, Any] = {} if port is None else {"http_port": port}
+    settings = load_settings(AgentSettings, _agent_config(config), **overrides)
     url = f"http://{settings.http_host}:{settings.http_port}/v1/status"
     data: dict[str, Any]
     try:
@@ -101,8 +125,9 @@ def status(
     )
     typer.echo(f"model {model['name']} {model['version']} on {model['provider']}")
     typer.echo(
-        f"frames/s {data['frames_per_s']:.2f}  p50 {data['latency_p50_ms']} ms"
-        f"  p99 {data['latency_p99_ms']} ms  forward rate {data['forward_rate']}"
+        f"frames/s {_fmt(data['frames_per_s'], 1)}  p50 {_fmt(data['latency_p50_ms'], 2)} ms"
+        f"  p99 {_fmt(data['latency_p99_ms'], 2)} ms"
+        f"  forward rate {_fmt(data['forward_rate'], 3)}"
     )
     typer.echo(
         f"spool {data['spool']['depth']} samples, {data['spool']['bytes']} bytes;"
@@ -123,7 +148,7 @@ def status(
 
 @app.command("rollback")
 def rollback_command(
-    config: Path | None = ConfigOption,
+    config: Path | None = AgentConfigOption,
     as_json: bool = JsonOption,
     timeout: float = typer.Option(30.0, help="Seconds to wait for the running agent."),
 ) -> None:
@@ -132,7 +157,7 @@ def rollback_command(
 
     from edge_agent.updates import offline_rollback
 
-    settings = load_settings(AgentSettings, config)
+    settings = load_settings(AgentSettings, _agent_config(config))
     url = f"http://{settings.http_host}:{settings.http_port}/v1/model/rollback"
     try:
         response = httpx.post(url, timeout=timeout)
@@ -161,7 +186,13 @@ def rollback_command(
 def enroll_command(
     cloud: str = typer.Option(..., "--cloud", help="The cloud service's base URL."),
     token: str = typer.Option(..., "--token", help="One-time enrollment token."),
-    config: Path = typer.Option(DEFAULT_CONFIG, "--config", "-c", help="Config file to write."),
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        "-c",
+        help="Config file to write (default: $XDG_CONFIG_HOME/edgeloop/agent.toml, which"
+        " `edge-agent run` and `status` read without flags).",
+    ),
     agent_id: str | None = typer.Option(None, "--agent-id", help="Ask for this agent id."),
     model_path: Path | None = typer.Option(None, "--model", help="Student model path to record."),
     as_json: bool = JsonOption,
@@ -169,7 +200,7 @@ def enroll_command(
     """Exchange an enrollment token for this agent's identity and write its config (0600)."""
     from edge_agent.enroll import enroll, write_config
 
-    path = config.expanduser()
+    path = (config or default_config_path()).expanduser()
     keep: dict[str, Any] = {}
     if path.is_file():
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 from collections.abc import Callable
@@ -15,7 +16,20 @@ from shared.errors import InvalidIdError
 from shared.settings import EdgeLoopSettings
 from shared.topics import validate_id
 
-__all__ = ["AgentSettings", "CameraSource", "FolderSource", "default_agent_id"]
+__all__ = [
+    "AgentSettings",
+    "CameraSource",
+    "FolderSource",
+    "default_agent_id",
+    "default_config_path",
+]
+
+
+def default_config_path() -> Path:
+    """Where ``edge-agent enroll`` writes the agent's config and ``run``/``status`` read it:
+    ``$XDG_CONFIG_HOME/edgeloop/agent.toml``, else ``~/.config/edgeloop/agent.toml``."""
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "edgeloop" / "agent.toml"
 
 
 def default_agent_id() -> str:

@@ -130,6 +130,8 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.edgeloop = state
+    if not health_only:
+        jobs_routes.watch_queue(state)
     app.add_exception_handler(EdgeLoopError, _edgeloop_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     routers = [health.router] if health_only else [health.router, enrollment.router]

@@ -34,10 +34,12 @@ def test_jobs_need_the_admin_token(client: TestClient) -> None:
 
 
 def test_run_list_show_logs_cancel(client: TestClient) -> None:
-    made = client.post("/v1/jobs", json={"params": {"epochs": 3}}, headers=ADMIN)
+    made = client.post(
+        "/v1/jobs", json={"fleet": "plant-3", "params": {"epochs": 3}}, headers=ADMIN
+    )
     assert made.status_code == 201, made.text
     job = made.json()
-    assert job["state"] == "queued" and job["params"] == {"epochs": 3}
+    assert job["state"] == "queued" and job["params"] == {"epochs": 3, "fleet": "plant-3"}
     listed = client.get("/v1/jobs", params={"state": "queued"}, headers=ADMIN).json()
     assert [j["id"] for j in listed] == [job["id"]]
     shown = client.get(f"/v1/jobs/{job['id']}", headers=ADMIN).json()
@@ -54,11 +56,11 @@ def test_run_list_show_logs_cancel(client: TestClient) -> None:
 
 
 def test_bad_parameters_get_clear_errors(client: TestClient) -> None:
-    bad = client.post("/v1/jobs", json={"params": {"threads": 0}}, headers=ADMIN)
+    bad = client.post("/v1/jobs", json={"fleet": "a", "params": {"threads": 0}}, headers=ADMIN)
     assert bad.status_code == 422 and "'threads' must be in [1, 256]" in bad.json()["detail"]
     cron = client.post(
         "/v1/schedules",
-        json={"name": "n", "kind": "cron", "expression": "0 25 * * *"},
+        json={"name": "n", "fleet": "a", "kind": "cron", "expression": "0 25 * * *"},
         headers=ADMIN,
     )
     assert cron.status_code == 422
@@ -70,6 +72,7 @@ def test_schedules_crud_enable_disable_run_now(client: TestClient) -> None:
         "/v1/schedules",
         json={
             "name": "drift",
+            "fleet": "plant-3",
             "kind": "trigger",
             "expression": "drift",
             "trigger": {"max_disagreement": 0.3},
@@ -82,7 +85,7 @@ def test_schedules_crud_enable_disable_run_now(client: TestClient) -> None:
     assert made.json()["trigger"] == {"max_disagreement": 0.3, "window_s": 900, "min_samples": 30}
     dup = client.post(
         "/v1/schedules",
-        json={"name": "drift", "kind": "interval", "expression": "60"},
+        json={"name": "drift", "fleet": "plant-3", "kind": "interval", "expression": "60"},
         headers=ADMIN,
     )
     assert dup.status_code == 409

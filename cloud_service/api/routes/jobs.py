@@ -1,6 +1,8 @@
 """Distillation jobs and schedules over REST (admin token).
 
-``/v1/jobs``: list, create (run now), show, cancel, logs. ``/v1/schedules``: list,
+``/v1/jobs``: list, create (run now, for a fleet), show, cancel, logs; the queue's state
+(``/v1/jobs/queue``: does anything wait with no worker?) and the parameters a job takes
+(``/v1/jobs/params``); ``/v1/fleets``, the known fleets. ``/v1/schedules``: list,
 create, show, update (enable/disable), delete, run now. Each route checks its input,
 calls one function of ``distill.jobs`` / ``distill.schedules``, and returns.
 """
@@ -12,11 +14,14 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, status
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.orm import Session
 
 from cloud_service.api.deps import AdminDep, SessionDep
 from cloud_service.api.schemas import MAX_ROW_ID, RowIdPath
+from cloud_service.api.state import ApiState
 from distill import jobs, schedules
 from distill.store import JOB_STATES
+from shared.errors import ContractError
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 
@@ -24,10 +29,21 @@ router = APIRouter(prefix="/v1", tags=["jobs"])
 SCHEDULER_TICK_S = 15.0
 
 
+FleetField = Field(
+    default=None,
+    max_length=64,
+    description="the fleet the job trains for; default: the only known fleet (enrolled agents"
+    " or tokens), refused when there are several or none",
+)
+
+
 class JobIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    params: dict[str, Any] = Field(default_factory=dict)
+    fleet: str | None = FleetField
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="job parameters: GET /v1/jobs/params lists them"
+    )
     reason: str = Field(default="run now (API)", max_length=256)
     priority: int = Field(default=5, ge=0, le=9)
     max_attempts: int = Field(default=3, ge=1, le=20)
@@ -80,6 +96,7 @@ class ScheduleIn(BaseModel):
         max_length=256,
         description="cron: five fields; interval: seconds; trigger: new_samples | drift",
     )
+    fleet: str | None = FleetField
     trigger: dict[str, Any] = Field(default_factory=dict)
     params: dict[str, Any] = Field(default_factory=dict)
     enabled: bool = True
@@ -107,6 +124,49 @@ class ScheduleOut(BaseModel):
     created_at: datetime
 
 
+class QueueOut(BaseModel):
+    queued: int
+    running: int
+    live_workers: int
+    waiting_without_worker: int
+    oldest_queued_s: float | None
+    warning: str | None
+
+
+class ParamOut(BaseModel):
+    name: str
+    type: str
+    default: Any
+    range: str | None
+    meaning: str
+
+
+def with_fleet(session: Session, fleet: str | None, params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with the fleet resolved (the field, else ``params.fleet``, else the only
+    known fleet); a ContractError (422) names the choices."""
+    given = params.get("fleet")
+    if fleet is not None and given is not None and given != fleet:
+        raise ContractError(f"fleet {fleet!r} and params.fleet {given!r} disagree; give one")
+    return {**params, "fleet": jobs.resolve_fleet(session=session, fleet=fleet or given)}
+
+
+def watch_queue(state: ApiState) -> None:
+    """Export the queue's figures on ``/metrics`` (read from the database at each scrape)."""
+
+    def figures() -> dict[str, float]:
+        with state.sessions() as session:
+            q = jobs.queue_status(session=session)
+        return {
+            "queued": q.queued,
+            "running": q.running,
+            "live_workers": q.live_workers,
+            "waiting_without_worker": q.waiting_without_worker,
+            "oldest_queued_s": q.oldest_queued_s or 0.0,
+        }
+
+    state.metrics.watch_distill_queue(figures)
+
+
 StateQuery = Annotated[
     list[str] | None, Query(description=f"filter by state: {', '.join(JOB_STATES)}")
 ]
@@ -122,11 +182,37 @@ def list_jobs(
     return jobs.list_jobs(session=session, states=state, limit=limit)
 
 
+@router.get("/jobs/queue", response_model=QueueOut)
+def queue(session: SessionDep, _: AdminDep) -> Any:
+    """Queued and running jobs, live distill workers, and whether jobs wait with none."""
+    q = jobs.queue_status(session=session)
+    return QueueOut(
+        queued=q.queued,
+        running=q.running,
+        live_workers=q.live_workers,
+        waiting_without_worker=q.waiting_without_worker,
+        oldest_queued_s=q.oldest_queued_s,
+        warning=q.warning,
+    )
+
+
+@router.get("/jobs/params", response_model=list[ParamOut])
+def job_params(_: AdminDep) -> Any:
+    """The parameters a job takes: name, type, default, range, meaning."""
+    return jobs.job_parameter_docs()
+
+
+@router.get("/fleets", response_model=list[str])
+def fleets(session: SessionDep, _: AdminDep) -> Any:
+    """The known fleets: those with an enrolled agent or an enrollment token."""
+    return jobs.known_fleets(session=session)
+
+
 @router.post("/jobs", response_model=JobDetail, status_code=status.HTTP_201_CREATED)
 def create_job(body: JobIn, session: SessionDep, _: AdminDep) -> Any:
     return jobs.enqueue(
         session=session,
-        params=body.params,
+        params=with_fleet(session, body.fleet, body.params),
         reason=body.reason,
         priority=body.priority,
         max_attempts=body.max_attempts,
@@ -167,7 +253,7 @@ def create_schedule(body: ScheduleIn, session: SessionDep, _: AdminDep) -> Any:
         kind=body.kind,
         expression=body.expression,
         trigger=body.trigger,
-        params=body.params,
+        params=with_fleet(session, body.fleet, body.params),
         enabled=body.enabled,
     )
 
