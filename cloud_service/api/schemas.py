@@ -161,34 +161,3 @@ class Page(BaseModel, Generic[T]):
     total: int
     limit: int
     offset: int
-
-
-# --- Open Inference Protocol (KServe V2) ---------------------------------------
-
-
-class V2Tensor(BaseModel):
-    name: str = Field(max_length=256)
-    shape: list[int] = Field(max_length=8)
-    datatype: str = Field(max_length=16)
-    parameters: dict[str, Any] | None = None
-    data: Any
-
-
-class V2RequestedOutput(BaseModel):
-    name: str = Field(max_length=256)
-    parameters: dict[str, Any] | None = None
-
-
-class V2InferRequest(BaseModel):
-    id: str | None = Field(default=None, max_length=256)
-    parameters: dict[str, Any] | None = None
-    inputs: list[V2Tensor] = Field(min_length=1, max_length=8)
-    outputs: list[V2RequestedOutput] | None = Field(default=None, max_length=8)
-
-
-class V2InferResponse(BaseModel):
-    model_name: str
-    model_version: str | None = None
-    id: str | None = None
-    parameters: dict[str, Any] | None = None
-    outputs: list[V2Tensor]
