@@ -109,7 +109,7 @@ JOB_PARAMETERS: tuple[JobParameter, ...] = (
     _P("max_samples", int, 10, 1_000_000, "most verified samples taken, newest first"),
     _P("min_samples", int, 1, 1_000_000, "fewest verified samples the job runs on"),
     _P("replay_share", _NUM, 0.0, 0.95, "share of replayed earlier data in the training set"),
-    _P("holdout_share", _NUM, 0.05, 0.5, "newest share held out for the gate"),
+    _P("holdout_share", _NUM, 0.05, 0.5, "share held out for the gate (see distill.pipeline)"),
     _P("val_share", _NUM, 0.05, 0.5, "share of the rest kept for validation"),
     _P("min_gain", _NUM, -1.0, 1.0, "accuracy gain over the serving student the gate asks for"),
     _P("max_reference_drop", _NUM, 0.0, 1.0, "largest accuracy fall allowed on the reference set"),
@@ -130,6 +130,8 @@ JOB_PARAMETERS: tuple[JobParameter, ...] = (
     _P("calibrate_confidence", bool, None, None, "fold a softmax temperature into the model"),
     _P("shift_px", int, 0, 16, "random shifts of training frames, pixels; 0: off"),
     _P("candidates", int, 1, 8, "students trained with consecutive seeds; the best is kept"),
+    _P("data_dir", str, None, None, "labelled folder of the fleet's classes: replay, reference"),
+    _P("min_per_class", int, 1, 100_000, "fewest labelled frames per class the job runs on"),
 )
 _PARAMS = {p.name: p for p in JOB_PARAMETERS}
 _DELIVERY = ("promote", "canary", "none")
