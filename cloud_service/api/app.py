@@ -14,6 +14,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from cloud_service.announce import Announcer
 from cloud_service.api.routes import enrollment, fleet, health, models, v2
+from cloud_service.api.routes import exports as exports_routes
 from cloud_service.api.routes import jobs as jobs_routes
 from cloud_service.api.state import ApiState, load_signing_key
 from cloud_service.blobs import BlobStore, open_blob_store
@@ -137,7 +138,7 @@ def create_app(
     routers = [health.router] if health_only else [health.router, enrollment.router]
     if not health_only:
         routers += [fleet.router, models.router, v2.router]
-        routers += [jobs_routes.router]
+        routers += [jobs_routes.router, exports_routes.router]
     for router in routers:
         app.include_router(router)
     if not health_only:

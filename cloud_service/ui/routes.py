@@ -6,28 +6,35 @@ Thin routes: each checks its input, calls one function of ``cloud_service.ui.sto
 
 from __future__ import annotations
 
-import csv
+import base64
+import hashlib
 import hmac
-import io
+import inspect
 import json
 import secrets
-import zipfile
+import struct
+import time
+import uuid
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import quote, urlsplit
 
 from fastapi import APIRouter, Body, FastAPI, Form, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from pydantic import BaseModel, Field
 from sqlalchemy import select
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cloud_service import registry, rollout
+from cloud_service import exports, registry, rollout
 from cloud_service.api.deps import BlobsDep, SessionDep, StateDep
+from cloud_service.api.state import ApiState
 from cloud_service.db import crud
-from cloud_service.db.models import Agent, Sample
+from cloud_service.db.models import Agent
 from cloud_service.errors import ConflictError, NotFoundError
 from cloud_service.ui import charts, store
 from cloud_service.ui import jobs as ui_jobs
@@ -41,7 +48,7 @@ from cloud_service.ui.deps import (
     UiUser,
     UserDep,
 )
-from shared.errors import EdgeLoopError
+from shared.errors import ContractError, EdgeLoopError
 
 __all__ = ["mount_ui", "router"]
 
@@ -49,6 +56,11 @@ HERE = Path(__file__).resolve().parent
 templates = Jinja2Templates(directory=str(HERE / "templates"))
 router = APIRouter(prefix="/ui", include_in_schema=False)
 OFFLINE_AFTER_S = 120.0  # a heartbeat older than this shows as stale
+UNDO_TTL_S = 3600.0  # a bulk discard can be undone for this long
+TELEMETRY_KEYS = (
+    "provider", "frames_per_s", "latency_p50_ms", "latency_p99_ms", "forward_rate",
+    "spool_depth", "dropped_frames", "agreement_rate",
+)  # fmt: skip
 
 
 def _page(
@@ -162,16 +174,11 @@ def _filter(request: Request) -> store.QueueFilter:
 
 
 @router.get("/queue")
-def queue(request: Request, session: SessionDep, user: UserDep) -> HTMLResponse:
+def queue(request: Request, session: SessionDep, state: StateDep, user: UserDep) -> HTMLResponse:
     flt = _filter(request)
-    page = store.queue_page(session=session, flt=flt)
-    rows = []
-    for sample, verdict in page.rows:
-        n = len(sample.edge_scores)
-        names = store.class_names(
-            session=session, model_name=sample.model_name, model_version=sample.model_version, n=n
-        )
-        rows.append({"s": sample, "v": verdict, "names": names})
+    classes = store.class_names_for(session=session, state=state)
+    page = store.queue_page(session=session, flt=flt, classes=classes)
+    rows = [{"s": s, "v": v, "names": classes.for_sample(s)} for s, v in page.rows]
     agents = list(session.scalars(select(Agent.agent_id).order_by(Agent.agent_id).limit(500)))
     return _page(
         request,
@@ -182,58 +189,143 @@ def queue(request: Request, session: SessionDep, user: UserDep) -> HTMLResponse:
         total=page.total,
         pages=page.pages,
         agents=agents,
+        class_names=classes.known(),
         statuses=store.STATUSES,
         reasons=store.ROUTE_REASONS,
         sorts=list(store.SORTS),
         page_sizes=store.PAGE_SIZES,
+        formats=EXPORT_FORMATS,
+        undo=request.query_params.get("undo", "")[:8192],
     )
+
+
+def _undo_key(state: ApiState) -> bytes:
+    secret = state.settings.session_secret.get_secret_value().encode()
+    return hashlib.sha256(b"edgeloop-ui-bulk-undo\0" + secret).digest()
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _undo_token(state: ApiState, user: UiUser, done: list[tuple[str, str]]) -> str:
+    """A signed note of what a bulk discard changed: the user, when, each sample's status."""
+    body = struct.pack(">IQ", user.id, int(time.time()))
+    for sample_id, previous in done:
+        body += uuid.UUID(sample_id).bytes + bytes([store.SAMPLE_STATUSES.index(previous)])
+    mac = hmac.new(_undo_key(state), body, hashlib.sha256).digest()[:16]
+    return f"{_b64(body)}.{_b64(mac)}"
+
+
+def _read_undo_token(state: ApiState, user: UiUser, token: str) -> list[tuple[str, str]]:
+    problem = ContractError("this undo is not valid any more; reload the queue", reason="invalid")
+    body_text, _, mac_text = token.partition(".")
+    try:
+        body = base64.urlsafe_b64decode(body_text + "=" * (-len(body_text) % 4))
+        mac = base64.urlsafe_b64decode(mac_text + "=" * (-len(mac_text) % 4))
+    except ValueError as exc:
+        raise problem from exc
+    expected = hmac.new(_undo_key(state), body, hashlib.sha256).digest()[:16]
+    if len(body) < 12 or (len(body) - 12) % 17 or not hmac.compare_digest(mac, expected):
+        raise problem
+    user_id, issued = struct.unpack(">IQ", body[:12])
+    if user_id != user.id:
+        raise ContractError("only the reviewer who discarded these samples can undo it")
+    if time.time() - issued > UNDO_TTL_S:
+        raise ContractError(f"an undo lasts {UNDO_TTL_S / 60:.0f} minutes; this one expired")
+    items = []
+    for at in range(12, len(body), 17):
+        sample_id = str(uuid.UUID(bytes=body[at : at + 16]))
+        index = body[at + 16]
+        if index >= len(store.SAMPLE_STATUSES):
+            raise problem
+        items.append((sample_id, store.SAMPLE_STATUSES[index]))
+    return items
+
+
+def _to_queue(back: str, notice: str, **extra: str) -> RedirectResponse:
+    query = back.lstrip("?")
+    parts = [query] if query else []
+    parts.append(f"notice={quote(notice)}")
+    parts += [f"{key}={quote(value)}" for key, value in extra.items() if value]
+    return RedirectResponse("/ui/queue?" + "&".join(parts), status_code=303)
 
 
 @router.post("/queue/bulk")
 def bulk(
     request: Request,
     session: SessionDep,
+    state: StateDep,
     user: CsrfDep,
-    action: Annotated[str, Form()],
-    ids: Annotated[list[str], Form()],
-    label: Annotated[str, Form()] = "",
+    action: Annotated[str, Form(max_length=16)],
+    ids: Annotated[list[str], Form()] = [],  # noqa: B006
+    label: Annotated[str, Form(max_length=128)] = "",
+    back: Annotated[str, Form(max_length=4096)] = "",
+    confirm: Annotated[str, Form(max_length=8)] = "",
+) -> Response:
+    """Confirm, relabel or discard the ticked samples; a discard asks first, then can be undone."""
+    chosen = list(dict.fromkeys(ids))
+    if action == "discard" and confirm != "yes":
+        if not chosen:
+            raise ContractError("no samples selected: tick at least one row", reason="invalid")
+        if len(chosen) > store.MAX_BULK:
+            raise ContractError(f"a bulk action takes at most {store.MAX_BULK} samples")
+        return _page(request, "bulk_confirm.html", user, ids=chosen, back=back)
+    result = store.bulk_review(
+        session=session,
+        sample_ids=chosen,
+        action=action,
+        label=label,
+        reviewer=user.username,
+        classes=store.class_names_for(session=session, state=state),
+    )
+    notice = f"{action}: {len(result.done)} done"
+    if result.skipped:
+        notice += f", {len(result.skipped)} skipped (changed meanwhile by someone else)"
+    undo = ""
+    if action == "discard" and result.done:
+        undo = _undo_token(state, user, result.done)
+        notice += "; Undo puts them back"
+    return _to_queue(back, notice, undo=undo)
+
+
+@router.post("/queue/undo")
+def bulk_undo(
+    session: SessionDep,
+    state: StateDep,
+    user: CsrfDep,
+    token: Annotated[str, Form(max_length=8192)],
     back: Annotated[str, Form(max_length=4096)] = "",
 ) -> Response:
-    chosen = int(label) if label.strip().isdigit() else None
-    result = store.bulk_review(
-        session=session, sample_ids=ids[:1000], action=action, label=chosen, reviewer=user.username
-    )
-    notice = f"{action}: {len(result['done'])} done"
-    if result["skipped"]:
-        notice += f", {len(result['skipped'])} skipped (changed meanwhile by someone else)"
-    query = back.lstrip("?")
-    sep = "&" if query else ""
-    return RedirectResponse(f"/ui/queue?{query}{sep}notice={quote(notice)}", status_code=303)
+    """Undo a bulk discard: each sample still discarded gets its previous status back."""
+    result = store.undo_bulk(session=session, items=_read_undo_token(state, user, token))
+    notice = f"undo: {len(result.done)} samples restored"
+    if result.skipped:
+        notice += f", {len(result.skipped)} skipped (changed meanwhile)"
+    return _to_queue(back, notice)
 
 
 # --- review ------------------------------------------------------------------
 
 
-def _view(session: Any, sample: Sample) -> dict[str, Any]:
-    _, verdict, _ = crud.get_sample(session=session, sample_id=sample.sample_id)
-    return store.sample_view(session=session, sample=sample, verdict=verdict)
-
-
 @router.get("/review/{sample_id}")
 def review_page(
-    request: Request, sample_id: str, session: SessionDep, user: UserDep
+    request: Request, sample_id: str, session: SessionDep, state: StateDep, user: UserDep
 ) -> HTMLResponse:
     flt = _filter(request)
     sample, verdict, _ = crud.get_sample(session=session, sample_id=sample_id)
-    view = store.sample_view(session=session, sample=sample, verdict=verdict)
+    classes = store.class_names_for(session=session, state=state)
+    view = store.sample_view(session=session, sample=sample, verdict=verdict, classes=classes)
     return _page(request, "review.html", user, flt=flt, sample=view, query=flt.query_string())
 
 
 @router.get("/review")
-def review_first(request: Request, session: SessionDep, user: UserDep) -> Response:
+def review_first(request: Request, session: SessionDep, state: StateDep, user: UserDep) -> Response:
     """The first sample of the filter (the queue's "start reviewing")."""
     flt = _filter(request).without_page()
-    page = store.queue_page(session=session, flt=flt)
+    page = store.queue_page(
+        session=session, flt=flt, classes=store.class_names_for(session=session, state=state)
+    )
     if not page.rows:
         return RedirectResponse(f"/ui/queue?{flt.query_string()}&notice=nothing+to+review", 303)
     first = page.rows[0][0].sample_id
@@ -251,9 +343,12 @@ def sample_image(sample_id: str, session: SessionDep, blobs: BlobsDep, _user: Us
 
 
 @router.get("/api/samples/{sample_id}")
-def sample_json(sample_id: str, session: SessionDep, _user: UserDep) -> dict[str, Any]:
+def sample_json(
+    sample_id: str, session: SessionDep, state: StateDep, _user: UserDep
+) -> dict[str, Any]:
     sample, verdict, _ = crud.get_sample(session=session, sample_id=sample_id)
-    return store.sample_view(session=session, sample=sample, verdict=verdict)
+    classes = store.class_names_for(session=session, state=state)
+    return store.sample_view(session=session, sample=sample, verdict=verdict, classes=classes)
 
 
 @router.get("/api/samples/{sample_id}/neighbour")
@@ -261,15 +356,21 @@ def sample_neighbour(
     request: Request,
     sample_id: str,
     session: SessionDep,
+    state: StateDep,
     _user: UserDep,
     direction: Annotated[str, Query(pattern="^(next|prev)$")] = "next",
 ) -> dict[str, Any]:
     flt = _filter(request)
+    classes = store.class_names_for(session=session, state=state)
     sample, _, _ = crud.get_sample(session=session, sample_id=sample_id)
-    found = store.neighbour(session=session, flt=flt, sample=sample, forward=direction == "next")
+    found = store.neighbour(
+        session=session, flt=flt, classes=classes, sample=sample, forward=direction == "next"
+    )
     after = None
     if found is not None:
-        after = store.sample_view(session=session, sample=found[0], verdict=found[1])
+        after = store.sample_view(
+            session=session, sample=found[0], verdict=found[1], classes=classes
+        )
     return {"sample": after}
 
 
@@ -282,7 +383,11 @@ class ReviewIn(BaseModel):
 
 @router.post("/api/samples/{sample_id}/review")
 def review(
-    sample_id: str, body: Annotated[ReviewIn, Body()], session: SessionDep, user: CsrfDep
+    sample_id: str,
+    body: Annotated[ReviewIn, Body()],
+    session: SessionDep,
+    state: StateDep,
+    user: CsrfDep,
 ) -> dict[str, Any]:
     """Review one sample and answer with the next one of the filter (one round trip)."""
     result = store.review_sample(
@@ -294,9 +399,14 @@ def review(
         reviewer=user.username,
     )
     flt = store.QueueFilter.from_query(_parse_qs(body.query))
+    classes = store.class_names_for(session=session, state=state)
     sample, _, _ = crud.get_sample(session=session, sample_id=sample_id)
-    found = store.neighbour(session=session, flt=flt, sample=sample, forward=True)
-    after = store.sample_view(session=session, sample=found[0], verdict=found[1]) if found else None
+    found = store.neighbour(session=session, flt=flt, classes=classes, sample=sample, forward=True)
+    after = None
+    if found is not None:
+        after = store.sample_view(
+            session=session, sample=found[0], verdict=found[1], classes=classes
+        )
     return {"done": result.action, "token": result.token, "undo": result.undo, "next": after}
 
 
@@ -314,7 +424,9 @@ class UndoIn(BaseModel):
 
 
 @router.post("/api/undo")
-def undo(body: Annotated[UndoIn, Body()], session: SessionDep, user: CsrfDep) -> dict[str, Any]:
+def undo(
+    body: Annotated[UndoIn, Body()], session: SessionDep, state: StateDep, user: CsrfDep
+) -> dict[str, Any]:
     store.undo_review(
         session=session,
         sample_id=body.sample_id,
@@ -324,64 +436,43 @@ def undo(body: Annotated[UndoIn, Body()], session: SessionDep, user: CsrfDep) ->
         user=user.username,
     )
     sample, verdict, _ = crud.get_sample(session=session, sample_id=body.sample_id)
-    return {"sample": store.sample_view(session=session, sample=sample, verdict=verdict)}
+    classes = store.class_names_for(session=session, state=state)
+    return {
+        "sample": store.sample_view(
+            session=session, sample=sample, verdict=verdict, classes=classes
+        )
+    }
 
 
 # --- export ------------------------------------------------------------------
 
-EXPORT_COLUMNS = [
-    "sample_id", "label", "class_name", "source", "labeled_by", "agent_id", "fleet",
-    "captured_at", "model_version", "edge_label", "edge_confidence", "teacher_label",
-    "teacher_confidence", "route_reason",
-]  # fmt: skip
+EXPORT_FORMATS = [
+    ("csv", "CSV"),
+    ("json", "JSON"),
+    ("imagefolder", "ImageFolder zip"),
+    ("coco", "COCO JSON"),
+    ("yolo", "YOLO zip"),
+    ("labelstudio", "Label Studio JSON"),
+]
 
 
 @router.get("/export")
 def export(
     request: Request,
     session: SessionDep,
+    state: StateDep,
     blobs: BlobsDep,
     _user: UserDep,
-    format: Annotated[str, Query(pattern="^(zip|csv|json)$")] = "csv",
+    format: Annotated[str, Query(max_length=16)] = "csv",
 ) -> Response:
-    """Labelled samples under the queue's filter: CSV, JSON, or a zip of class folders."""
-    rows = store.export_rows(session=session, flt=_filter(request))
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    if format == "json":
-        body = json.dumps([{k: r[k] for k in EXPORT_COLUMNS} for r in rows], indent=1)
-        return _download(body.encode(), "application/json", f"edgeloop-labels-{stamp}.json")
-    text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=EXPORT_COLUMNS, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(rows)
-    if format == "csv":
-        return _download(text.getvalue().encode(), "text/csv", f"edgeloop-labels-{stamp}.csv")
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
-        # Images are JPEG/PNG already: storing them beats deflating them again.
-        for row in rows:
-            folder = _folder(row["class_name"])
-            try:
-                data = blobs.get(row["image_key"])
-            except EdgeLoopError:
-                continue  # a blob removed by retention: the CSV still lists the sample
-            ext = "jpg" if row["image_format"] == "jpeg" else row["image_format"]
-            archive.writestr(f"{folder}/{row['sample_id']}.{ext}", data)
-        archive.writestr("labels.csv", text.getvalue())
-    return _download(buffer.getvalue(), "application/zip", f"edgeloop-labels-{stamp}.zip")
-
-
-def _folder(name: str) -> str:
-    cleaned = "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip(".")
-    return cleaned or "_"
-
-
-def _download(data: bytes, media_type: str, filename: str) -> Response:
-    return Response(
-        data,
-        media_type=media_type,
-        headers={"Content-Disposition": f'attachment; filename="{filename}"'},
+    """The samples under the queue's filter (its status included), as ``format``."""
+    exports.media_type(format)  # an unknown format is refused before any work
+    rows = store.export_rows(
+        session=session,
+        flt=_filter(request),
+        classes=store.class_names_for(session=session, state=state),
     )
+    return exports.download(format, rows, blobs=blobs, base_url=str(request.base_url))
 
 
 # --- agents, dashboard, models --------------------------------------------------
@@ -395,7 +486,10 @@ def agents_page(request: Request, session: SessionDep, user: UserDep) -> HTMLRes
     for agent in agents:
         age = (now - agent.last_seen_at).total_seconds() if agent.last_seen_at else None
         online = agent.state == "online" and age is not None and age < OFFLINE_AFTER_S
-        rows.append({"a": agent, "t": agent.telemetry or {}, "online": online, "age": age})
+        # A last will or an idle agent's status carries no figures: each key may be absent.
+        telemetry = agent.telemetry or {}
+        figures = {key: telemetry.get(key) for key in TELEMETRY_KEYS}
+        rows.append({"a": agent, "t": figures, "online": online, "age": age})
     return _page(request, "agents.html", user, rows=rows)
 
 
@@ -434,7 +528,10 @@ def dashboard(
 
 @router.get("/models")
 def models_page(request: Request, session: SessionDep, user: UserDep) -> HTMLResponse:
-    versions = registry.list_versions(session=session)
+    versions = [
+        {"m": record, "installs": registry.install_summary(session=session, record=record)}
+        for record in registry.list_versions(session=session)
+    ]
     rollouts = []
     for item in rollout.list_rollouts(session=session, limit=50):
         _, events = rollout.get_rollout(session=session, rollout_id=item.id)
@@ -621,9 +718,63 @@ async def _not_allowed(request: Request, exc: Exception) -> Response:
     )
 
 
+_ERROR_TITLES = {
+    400: "Bad request",
+    403: "Not allowed",
+    404: "Not found",
+    405: "Not allowed here",
+    409: "Changed meanwhile",
+    422: "Not valid",
+}
+ErrorHandler = Callable[[Request, Any], Response | Awaitable[Response]]
+
+
+def _back_link(request: Request) -> str:
+    """Where the error page's "back" goes: the referring UI page, else the queue."""
+    referer = urlsplit(request.headers.get("referer", ""))
+    if referer.netloc != request.url.netloc or not referer.path.startswith("/ui/"):
+        return "/ui/queue"
+    return _safe_next(referer.path + (f"?{referer.query}" if referer.query else ""))
+
+
+def _page_errors(previous: ErrorHandler) -> Callable[[Request, Any], Awaitable[Response]]:
+    """A UI page's error as the error page with the reason; fetch and REST keep their JSON."""
+
+    async def handler(request: Request, exc: Exception) -> Response:
+        answer = previous(request, exc)
+        response = await answer if inspect.isawaitable(answer) else answer
+        page = request.url.path.startswith("/ui/") and not _wants_json(request)
+        if not page or response.status_code < 400:
+            return response
+        try:
+            detail = json.loads(bytes(response.body)).get("detail")
+        except (ValueError, AttributeError):
+            detail = None
+        code = response.status_code
+        message = detail if isinstance(detail, str) else "The request could not be completed."
+        return _page(
+            request,
+            "error.html",
+            getattr(request.state, "ui_user", None),
+            status_code=code,
+            title=_ERROR_TITLES.get(code, "Something went wrong"),
+            message=message,
+            back=_back_link(request),
+        )
+
+    return handler
+
+
 def mount_ui(app: FastAPI) -> None:
-    """Add the review UI's routes, static files and error pages to ``app``."""
+    """Add the review UI's routes, static files and error pages to ``app``.
+
+    Call it after the app's own error handlers are set: a UI page's error wraps them.
+    """
     app.include_router(router)
     app.mount("/ui/static", StaticFiles(directory=str(HERE / "static")), name="ui-static")
     app.add_exception_handler(LoginRequired, _login_required)
     app.add_exception_handler(NotAllowed, _not_allowed)
+    for kind in (EdgeLoopError, RequestValidationError, StarletteHTTPException):
+        previous = app.exception_handlers.get(kind)
+        if previous is not None:
+            app.add_exception_handler(kind, _page_errors(previous))

@@ -12,34 +12,47 @@ racing on PostgreSQL cannot both win.
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, date, datetime, time, timedelta
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 from sqlalchemy import Integer, and_, cast, delete, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
-from cloud_service.db.models import Label, ModelVersion, Sample, Verdict
+from cloud_service.db.models import FleetModel, Label, ModelVersion, Sample, Verdict
 from cloud_service.errors import ConflictError, NotFoundError
+from cloud_service.exports import ExportRow
 from shared.errors import ContractError
 
+if TYPE_CHECKING:
+    from cloud_service.api.state import ApiState
+
 __all__ = [
+    "BulkResult",
+    "ClassNames",
     "QueueFilter",
     "ReviewResult",
     "bulk_review",
-    "class_names",
+    "class_names_for",
     "dashboard_series",
     "export_rows",
+    "model_file_labels",
     "neighbour",
     "queue_page",
     "review_sample",
     "review_token",
     "sample_view",
+    "undo_bulk",
     "undo_review",
 ]
+
+log = logging.getLogger(__name__)
 
 SORTS: dict[str, tuple[str, bool]] = {
     # name: (column, descending); sample_id breaks ties in the same direction.
@@ -49,8 +62,10 @@ SORTS: dict[str, tuple[str, bool]] = {
     "-confidence": ("edge_confidence", True),
 }
 STATUSES = ("flagged", "verified", "reviewed", "discarded", "pending", "any")
+SAMPLE_STATUSES = STATUSES[:-1]
 ROUTE_REASONS = ("low_confidence", "margin", "entropy", "class_threshold", "audit", "manual")
 PAGE_SIZES = (25, 50, 100, 200)
+MAX_BULK = max(PAGE_SIZES)  # a bulk action takes at most one page of samples
 
 
 def _parse_day(text: str, *, end: bool) -> datetime | None:
@@ -147,8 +162,6 @@ class QueueFilter:
             raise ContractError("page must be 1..100000", reason="invalid_filter")
         if self.per_page not in PAGE_SIZES:
             raise ContractError(f"per_page must be one of {PAGE_SIZES}", reason="invalid_filter")
-        _int_or_none(self.edge_class, "edge_class")
-        _int_or_none(self.teacher_class, "teacher_class")
         _float_or_none(self.conf_min, "conf_min")
         _float_or_none(self.conf_max, "conf_max")
         _parse_day(self.since, end=False)
@@ -168,8 +181,11 @@ class QueueFilter:
     def without_page(self) -> QueueFilter:
         return replace(self, page=1)
 
-    def conditions(self) -> list[Any]:
-        """The WHERE terms on samples (and verdicts, for the teacher class)."""
+    def conditions(self, classes: ClassNames) -> list[Any]:
+        """The WHERE terms on samples (and verdicts, for the teacher class).
+
+        A class filter is a class name (of the sample's own model) or an index.
+        """
         terms: list[Any] = []
         if self.status != "any":
             terms.append(Sample.status == self.status)
@@ -177,10 +193,10 @@ class QueueFilter:
             terms.append(Sample.agent_id == self.agent)
         if self.fleet:
             terms.append(Sample.fleet == self.fleet)
-        if (edge := _int_or_none(self.edge_class, "edge_class")) is not None:
-            terms.append(Sample.edge_predicted == edge)
-        if (teacher := _int_or_none(self.teacher_class, "teacher_class")) is not None:
-            terms.append(Verdict.label == teacher)
+        if self.edge_class:
+            terms.append(classes.condition(Sample.edge_predicted, self.edge_class, what="edge"))
+        if self.teacher_class:
+            terms.append(classes.condition(Verdict.label, self.teacher_class, what="teacher"))
         if self.model_version:
             terms.append(Sample.model_version == self.model_version)
         if self.reason:
@@ -203,11 +219,11 @@ class QueueFilter:
         return [key.asc(), Sample.sample_id.asc()]
 
 
-def _joined(flt: QueueFilter) -> Any:
+def _joined(flt: QueueFilter, classes: ClassNames) -> Any:
     return (
         select(Sample, Verdict)
         .outerjoin(Verdict, Verdict.sample_id == Sample.sample_id)
-        .where(*flt.conditions())
+        .where(*flt.conditions(classes))
     )
 
 
@@ -218,14 +234,14 @@ class QueuePage:
     pages: int
 
 
-def queue_page(*, session: Session, flt: QueueFilter) -> QueuePage:
+def queue_page(*, session: Session, flt: QueueFilter, classes: ClassNames) -> QueuePage:
     """One page of the queue (newest first by default) and the filter's total count."""
     count = select(func.count()).select_from(Sample)
     if flt.teacher_class:
         count = count.join(Verdict, Verdict.sample_id == Sample.sample_id)
-    total = int(session.scalar(count.where(*flt.conditions())) or 0)
+    total = int(session.scalar(count.where(*flt.conditions(classes))) or 0)
     stmt = (
-        _joined(flt)
+        _joined(flt, classes)
         .order_by(*flt.order_by())
         .limit(flt.per_page)
         .offset((flt.page - 1) * flt.per_page)
@@ -235,7 +251,12 @@ def queue_page(*, session: Session, flt: QueueFilter) -> QueuePage:
 
 
 def neighbour(
-    *, session: Session, flt: QueueFilter, sample: Sample, forward: bool = True
+    *,
+    session: Session,
+    flt: QueueFilter,
+    classes: ClassNames,
+    sample: Sample,
+    forward: bool = True,
 ) -> tuple[Sample, Verdict | None] | None:
     """The sample after (or before) ``sample`` in the filter's order (keyset, no offset).
 
@@ -251,7 +272,7 @@ def neighbour(
     order = (
         [key.desc(), Sample.sample_id.desc()] if smaller else [key.asc(), Sample.sample_id.asc()]
     )
-    row = session.execute(_joined(flt).where(after).order_by(*order).limit(1)).first()
+    row = session.execute(_joined(flt, classes).where(after).order_by(*order).limit(1)).first()
     return (row[0], row[1]) if row else None
 
 
@@ -261,35 +282,181 @@ def review_token(*, session: Session, sample: Sample) -> str:
     return f"{sample.status}:{newest or 0}"
 
 
-_CLASS_CACHE: dict[tuple[str, str], list[str] | None] = {}
-_CLASS_LOCK = threading.Lock()
-
-
-def class_names(*, session: Session, model_name: str, model_version: str, n: int) -> list[str]:
-    """Class labels from the registered model's manifest, else "0".."n-1"."""
-    key = (model_name, model_version)
-    with _CLASS_LOCK:
-        cached = _CLASS_CACHE.get(key, ...)
-    if cached is ...:
-        record = session.scalars(
-            select(ModelVersion.manifest).where(
-                ModelVersion.name == model_name, ModelVersion.version == model_version
-            )
-        ).first()
-        labels = record.get("labels") if isinstance(record, dict) else None
-        cached = [str(x) for x in labels] if isinstance(labels, list) else None
-        with _CLASS_LOCK:
-            _CLASS_CACHE[key] = cached
-    if isinstance(cached, list) and len(cached) == n:
-        return cached
+def _index_names(n: int) -> list[str]:
     return [str(i) for i in range(n)]
 
 
+_FILE_LABELS: dict[tuple[str, int, int], tuple[str, ...]] = {}
+_FILE_LABELS_LOCK = threading.Lock()
+
+
+def model_file_labels(path: Path) -> tuple[str, ...]:
+    """The class names in an ONNX file's ``edgeloop.labels`` metadata (cached), else ().
+
+    Reads the metadata only (no inference session): the UI uses the teacher's
+    names for samples whose model the registry does not know.
+    """
+    try:
+        stat = path.stat()
+    except OSError:
+        return ()
+    key = (str(path), stat.st_mtime_ns, stat.st_size)
+    with _FILE_LABELS_LOCK:
+        if key in _FILE_LABELS:
+            return _FILE_LABELS[key]
+    labels: tuple[str, ...] = ()
+    try:
+        import onnx
+
+        model = onnx.load(str(path), load_external_data=False)
+        meta = {p.key: p.value for p in model.metadata_props}
+        parsed = json.loads(meta.get("edgeloop.labels", "null"))
+        if isinstance(parsed, list):
+            labels = tuple(str(x) for x in parsed)
+    except Exception as exc:  # a broken or foreign file: no names, the UI shows indices
+        log.warning("no class names from %s: %s", path, exc)
+    with _FILE_LABELS_LOCK:
+        _FILE_LABELS[key] = labels
+    return labels
+
+
+class ClassNames:
+    """The class names of the fleet's models, looked up once per request.
+
+    For a sample's model (name, version, class count) the names come from, in order:
+    the registered version's manifest; the version its fleet serves; the newest
+    registered version of the same model name; ``fallback`` (the teacher's names);
+    each only when its count matches. Indices "0".."n-1" when none is known.
+    """
+
+    def __init__(self, session: Session, *, fallback: Sequence[str] = ()) -> None:
+        self._session = session
+        self._fallback = list(fallback) if _named(fallback) else []
+        self._versions: dict[str, list[tuple[str, list[str]]]] = {}
+        self._fleets: dict[str, tuple[str, str] | None] = {}
+        self._memo: dict[tuple[str, str, str, int], list[str]] = {}
+        self._pairs: list[tuple[str, str, list[str]]] | None = None
+
+    def _registered(self, model_name: str) -> list[tuple[str, list[str]]]:
+        if model_name not in self._versions:
+            rows = self._session.execute(
+                select(ModelVersion.version, ModelVersion.manifest)
+                .where(ModelVersion.name == model_name)
+                .order_by(ModelVersion.id.desc())
+            ).all()
+            found = []
+            for version, manifest in rows:
+                labels = manifest.get("labels") if isinstance(manifest, dict) else None
+                if isinstance(labels, list):
+                    found.append((version, [str(x) for x in labels]))
+            self._versions[model_name] = found
+        return self._versions[model_name]
+
+    def _serving(self, fleet: str) -> tuple[str, str] | None:
+        if fleet not in self._fleets:
+            record = self._session.get(FleetModel, fleet) if fleet else None
+            self._fleets[fleet] = (record.model_name, record.version) if record else None
+        return self._fleets[fleet]
+
+    def of(self, model_name: str, model_version: str, n: int, *, fleet: str = "") -> list[str]:
+        """The names of the classes 0..n-1 of this model version."""
+        key = (model_name, model_version, fleet, n)
+        if key in self._memo:
+            return self._memo[key]
+        candidates: list[list[str]] = []
+        registered = self._registered(model_name)
+        candidates += [labels for version, labels in registered if version == model_version]
+        serving = self._serving(fleet)
+        if serving is not None:
+            candidates += [
+                labels for version, labels in self._registered(serving[0]) if version == serving[1]
+            ]
+        candidates += [labels for _, labels in registered]
+        candidates.append(self._fallback)
+        names = next((c for c in candidates if len(c) == n), None) or _index_names(n)
+        self._memo[key] = names
+        return names
+
+    def for_sample(self, sample: Sample) -> list[str]:
+        return self.of(
+            sample.model_name, sample.model_version, len(sample.edge_scores), fleet=sample.fleet
+        )
+
+    def _stored_models(self) -> list[tuple[str, str, list[str]]]:
+        """Each (model name, version) that samples carry, with its class names."""
+        if self._pairs is None:
+            firsts = self._session.execute(
+                select(func.min(Sample.sample_id)).group_by(Sample.model_name, Sample.model_version)
+            ).scalars()
+            ids = list(firsts)
+            pairs = []
+            for sample in self._session.scalars(select(Sample).where(Sample.sample_id.in_(ids))):
+                pairs.append((sample.model_name, sample.model_version, self.for_sample(sample)))
+            self._pairs = pairs
+        return self._pairs
+
+    def known(self) -> list[str]:
+        """Every class name the stored samples' models have (for the forms' suggestions)."""
+        names: dict[str, None] = {}
+        for _, _, labels in self._stored_models():
+            names.update(dict.fromkeys(labels))
+        return list(names)
+
+    def condition(self, column: Any, text: str, *, what: str) -> Any:
+        """A WHERE term: ``column`` (a class index) is the class named ``text``, or index."""
+        terms = [
+            and_(Sample.model_name == name, Sample.model_version == version, column == i)
+            for name, version, labels in self._stored_models()
+            for i, label in enumerate(labels)
+            if label == text
+        ]
+        if terms:
+            return or_(*terms)
+        if text.isdigit():
+            return column == int(text)
+        known = self.known()
+        hint = f"; known classes: {', '.join(known[:50])}" if known else ""
+        raise ContractError(
+            f"{what} {text!r} is neither a class name nor a class index{hint}",
+            reason="invalid_filter",
+        )
+
+    def index(self, sample: Sample, text: str) -> int:
+        """The class index of name (or index) ``text`` for ``sample``; ContractError if none."""
+        names = self.for_sample(sample)
+        if text in names:
+            return names.index(text)
+        if text.isdigit() and int(text) < len(names):
+            return int(text)
+        raise ContractError(
+            f"{text!r} is not a class of sample {sample.sample_id}: use one of {', '.join(names)}",
+            reason="invalid_label",
+        )
+
+
+def class_names_for(*, session: Session, state: ApiState) -> ClassNames:
+    """The class-name lookup of one request; the teacher's names are the fallback."""
+    if state.worker is not None:
+        fallback: tuple[str, ...] = state.worker.teacher.info.labels
+    else:
+        fallback = model_file_labels(state.settings.resolved_teacher_model)
+    return ClassNames(session, fallback=fallback)
+
+
+def _named(labels: Sequence[str]) -> bool:
+    """Whether ``labels`` are names rather than the indices themselves."""
+    return bool(labels) and list(labels) != _index_names(len(labels))
+
+
 def sample_view(
-    *, session: Session, sample: Sample, verdict: Verdict | None, with_labels: bool = True
+    *,
+    session: Session,
+    sample: Sample,
+    verdict: Verdict | None,
+    classes: ClassNames,
+    with_labels: bool = True,
 ) -> dict[str, Any]:
     """A sample as the review page's JavaScript draws it (JSON-safe)."""
-    n = len(sample.edge_scores)
     labels: list[dict[str, Any]] = []
     if with_labels:
         labels = [
@@ -306,9 +473,7 @@ def sample_view(
         "model_version": sample.model_version,
         "route_reason": sample.route_reason,
         "status": sample.status,
-        "classes": class_names(
-            session=session, model_name=sample.model_name, model_version=sample.model_version, n=n
-        ),
+        "classes": classes.for_sample(sample),
         "edge_scores": [float(x) for x in sample.edge_scores],
         "edge_label": sample.edge_predicted,
         "edge_confidence": sample.edge_confidence,
@@ -431,25 +596,43 @@ def undo_review(
     return review_token(session=session, sample=sample)
 
 
+@dataclass(frozen=True)
+class BulkResult:
+    """What a bulk action did: the samples done (with the status each had), those skipped."""
+
+    action: str
+    done: list[tuple[str, str]]
+    skipped: list[str]
+
+
 def bulk_review(
     *,
     session: Session,
     sample_ids: Sequence[str],
     action: str,
-    label: int | None,
+    label: str,
     reviewer: str,
+    classes: ClassNames,
     expected_status: str = "flagged",
-) -> dict[str, Any]:
+) -> BulkResult:
     """Review many samples; ``confirm`` takes each one's teacher label.
 
-    A sample no longer in ``expected_status`` (someone else reviewed it) is skipped
-    and reported, never overwritten.
+    ``label`` (relabel) is a class name or index, checked against each sample's own
+    classes; a sample that does not have it refuses the whole action. A sample no
+    longer in ``expected_status`` (someone else reviewed it) is skipped and
+    reported, never overwritten.
     """
     if action not in ("confirm", "relabel", "discard"):
-        raise ContractError(f"bulk action {action!r} is not confirm, relabel or discard")
-    if action == "relabel" and label is None:
-        raise ContractError("relabel needs a label", reason="invalid_label")
-    done: list[str] = []
+        raise ContractError(
+            f"bulk action {action!r} is not confirm, relabel or discard", reason="invalid_action"
+        )
+    if action == "relabel" and not label.strip():
+        raise ContractError("relabel needs a class name or index", reason="invalid_label")
+    if not sample_ids:
+        raise ContractError("no samples selected: tick at least one row", reason="invalid")
+    if len(sample_ids) > MAX_BULK:
+        raise ContractError(f"a bulk action takes at most {MAX_BULK} samples", reason="invalid")
+    done: list[tuple[str, str]] = []
     skipped: list[str] = []
     verdicts = {v.sample_id: v for v in _verdicts(session, sample_ids)}
     for sample_id in dict.fromkeys(sample_ids):
@@ -457,23 +640,42 @@ def bulk_review(
         if sample is None or sample.status != expected_status:
             skipped.append(sample_id)
             continue
-        chosen: int | None
+        chosen: int | None = None
         if action == "confirm":
             verdict = verdicts.get(sample_id)
             chosen = verdict.label if verdict else sample.edge_predicted
-        else:
-            chosen = label
-        if action != "discard" and not 0 <= int(chosen or 0) < len(sample.edge_scores):
-            raise ContractError(f"label {chosen} is not a class of sample {sample_id}")
+        elif action == "relabel":
+            chosen = classes.index(sample, label.strip())
         new_status = "discarded" if action == "discard" else "reviewed"
         if not _set_status(session, sample_id, expected_status, new_status):
             skipped.append(sample_id)
             continue
-        if action != "discard":
-            session.add(Label(sample_id=sample_id, label=int(chosen or 0), labeled_by=reviewer))
-        done.append(sample_id)
+        if chosen is not None:
+            session.add(Label(sample_id=sample_id, label=chosen, labeled_by=reviewer))
+        done.append((sample_id, expected_status))
     session.flush()
-    return {"done": done, "skipped": skipped}
+    return BulkResult(action=action, done=done, skipped=skipped)
+
+
+def undo_bulk(
+    *, session: Session, items: Sequence[tuple[str, str]], from_status: str = "discarded"
+) -> BulkResult:
+    """Give samples back the status they had before a bulk discard.
+
+    Only a sample still in ``from_status`` is restored; one that changed meanwhile
+    (someone reviewed it again) is skipped, never overwritten.
+    """
+    done: list[tuple[str, str]] = []
+    skipped: list[str] = []
+    for sample_id, previous in items:
+        if previous not in SAMPLE_STATUSES or previous == from_status:
+            raise ContractError(f"status {previous!r} is not one to restore", reason="invalid")
+        if _set_status(session, sample_id, from_status, previous):
+            done.append((sample_id, previous))
+        else:
+            skipped.append(sample_id)
+    session.flush()
+    return BulkResult(action="undo", done=done, skipped=skipped)
 
 
 def _verdicts(session: Session, sample_ids: Iterable[str]) -> list[Verdict]:
@@ -484,62 +686,77 @@ def _verdicts(session: Session, sample_ids: Iterable[str]) -> list[Verdict]:
 
 
 def export_rows(
-    *, session: Session, flt: QueueFilter, limit: int = 100_000
-) -> list[dict[str, Any]]:
-    """Labelled samples under the filter: a human label (newest) beats the teacher's.
+    *, session: Session, flt: QueueFilter, classes: ClassNames, limit: int = 100_000
+) -> list[ExportRow]:
+    """The samples under the filter (its status included), in its order, with their labels.
 
-    Reviewed samples carry their newest human label; verified ones the teacher's.
-    A status filter of "any" or "flagged" exports both kinds; discarded never.
+    A sample's label is its newest human label (reviewed), else the teacher's
+    (verified, flagged), else none (pending; discarded: a human turned it down).
     """
     newest = (
         select(Label.sample_id, func.max(Label.id).label("label_id"))
         .group_by(Label.sample_id)
         .subquery()
     )
-    base = replace(flt, status="any")
     stmt = (
         select(Sample, Verdict, Label)
         .outerjoin(Verdict, Verdict.sample_id == Sample.sample_id)
         .outerjoin(newest, newest.c.sample_id == Sample.sample_id)
         .outerjoin(Label, Label.id == newest.c.label_id)
-        .where(*base.conditions())
-        .where(
-            or_(
-                and_(Sample.status == "reviewed", Label.id.is_not(None)),
-                and_(Sample.status == "verified", Verdict.id.is_not(None)),
-            )
-        )
-        .order_by(*base.order_by())
+        .where(*flt.conditions(classes))
+        .order_by(*flt.order_by())
         .limit(limit)
     )
-    if flt.status in ("reviewed", "verified"):
-        stmt = stmt.where(Sample.status == flt.status)
     rows = []
     for sample, verdict, label in session.execute(stmt).all():
-        n = len(sample.edge_scores)
-        names = class_names(
-            session=session, model_name=sample.model_name, model_version=sample.model_version, n=n
-        )
-        chosen = label.label if label is not None else verdict.label
+        names = classes.for_sample(sample)
+        chosen: int | None = None
+        source = labeled_by = None
+        labeled_at = None
+        if sample.status == "reviewed" and label is not None:
+            chosen, source, labeled_by, labeled_at = (
+                label.label,
+                "human",
+                label.labeled_by,
+                label.created_at,
+            )
+        elif sample.status in ("verified", "flagged") and verdict is not None:
+            chosen, source, labeled_by, labeled_at = (
+                verdict.label,
+                "teacher",
+                verdict.teacher_version,
+                verdict.verified_at,
+            )
+        name = None
+        if chosen is not None:
+            name = names[chosen] if 0 <= chosen < len(names) else str(chosen)
         rows.append(
-            {
-                "sample_id": sample.sample_id,
-                "label": chosen,
-                "class_name": names[chosen] if 0 <= chosen < n else str(chosen),
-                "source": "human" if label is not None else "teacher",
-                "labeled_by": label.labeled_by if label is not None else verdict.teacher_version,
-                "agent_id": sample.agent_id,
-                "fleet": sample.fleet,
-                "captured_at": sample.captured_at.isoformat(),
-                "model_version": sample.model_version,
-                "edge_label": sample.edge_predicted,
-                "edge_confidence": round(sample.edge_confidence, 6),
-                "teacher_label": verdict.label if verdict else None,
-                "teacher_confidence": round(verdict.confidence, 6) if verdict else None,
-                "route_reason": sample.route_reason,
-                "image_key": sample.image_key,
-                "image_format": sample.image_format,
-            }
+            ExportRow(
+                sample_id=sample.sample_id,
+                label=chosen,
+                class_name=name,
+                source=source,
+                labeled_by=labeled_by,
+                labeled_at=labeled_at,
+                status=sample.status,
+                agent_id=sample.agent_id,
+                fleet=sample.fleet,
+                captured_at=sample.captured_at,
+                model_name=sample.model_name,
+                model_version=sample.model_version,
+                classes=tuple(names),
+                edge_label=sample.edge_predicted,
+                edge_confidence=sample.edge_confidence,
+                teacher_label=verdict.label if verdict else None,
+                teacher_confidence=verdict.confidence if verdict else None,
+                teacher_model=verdict.teacher_model if verdict else None,
+                teacher_version=verdict.teacher_version if verdict else None,
+                route_reason=sample.route_reason,
+                image_key=sample.image_key,
+                image_format=sample.image_format,
+                image_width=sample.image_width,
+                image_height=sample.image_height,
+            )
         )
     return rows
 

@@ -77,13 +77,24 @@ var EdgeLoop = (function () {
     function el(id) { return document.getElementById(id); }
     function say(text, kind) { var m = el("message"); m.textContent = text || ""; m.className = "message " + (kind || ""); }
 
+    function labelled(node, index, name) {
+      // The digit key that picks the class (0-9), then its name; a class known only
+      // by its index shows the index once.
+      node.textContent = "";
+      if (index < 10 && name !== String(index)) {
+        var key = document.createElement("span"); key.className = "key"; key.textContent = String(index);
+        node.appendChild(key);
+      }
+      node.appendChild(document.createTextNode(name));
+    }
+
     function bars(container, scores, classes, highlight) {
       container.textContent = "";
       if (!scores) { container.textContent = "no verdict yet"; return; }
       scores.forEach(function (score, i) {
         var row = document.createElement("div");
         row.className = "bar-row" + (i === highlight ? " top" : "");
-        var name = document.createElement("span"); name.className = "name"; name.textContent = (i < 10 ? i + " " : "") + classes[i];
+        var name = document.createElement("span"); name.className = "name"; labelled(name, i, classes[i]);
         var track = document.createElement("span"); track.className = "track";
         var fill = document.createElement("span"); fill.className = "fill"; fill.style.width = (Math.max(0, Math.min(1, score)) * 100).toFixed(1) + "%";
         track.appendChild(fill);
@@ -134,7 +145,7 @@ var EdgeLoop = (function () {
       choices.textContent = "";
       s.classes.forEach(function (name, i) {
         var b = document.createElement("button");
-        b.type = "button"; b.dataset.label = i; b.textContent = (i < 10 ? i + " · " : "") + name;
+        b.type = "button"; b.dataset.label = i; labelled(b, i, name);
         b.addEventListener("click", function () { choose(i); });
         choices.appendChild(b);
       });
