@@ -12,7 +12,9 @@ import json
 import socket
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -57,16 +59,15 @@ class Served:
         return np.asarray(out)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    root = tmp_path_factory.mktemp("v2-tritonclient")
-    teacher = build_demo_teacher(
-        root / "teacher.onnx", size=SIZE, classes=len(LABELS), hidden=32, seed=3, labels=LABELS
-    )
+@contextmanager
+def _serving(root: Path, teacher: Path) -> Iterator[str]:
+    """The cloud API over ``teacher`` on a loopback port; its host:port."""
     settings = CloudSettings(
         data_dir=root / "data",
         database_url=f"sqlite:///{root / 'api.db'}",
         teacher_model=teacher,
+        # The answers are compared with onnxruntime on the CPU, whatever the host has.
+        ort_providers=["CPUExecutionProvider"],
         blob_fsync=False,
         rollout_tick_s=0,
         # No broker is listening here: nothing may reach a shared broker.
@@ -85,16 +86,25 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         target=server.run, kwargs={"sockets": [sock]}, name="v2-api", daemon=True
     )
     thread.start()
-    if not server.started_event.wait(30):
-        raise RuntimeError("the API server did not start")
-    port = sock.getsockname()[1]
-    session = ort.InferenceSession(str(teacher), providers=["CPUExecutionProvider"])
     try:
-        yield Served(f"127.0.0.1:{port}", session, "demo-3")
+        if not server.started_event.wait(30):
+            raise RuntimeError("the API server did not start")
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(15)
         sock.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("v2-tritonclient")
+    teacher = build_demo_teacher(
+        root / "teacher.onnx", size=SIZE, classes=len(LABELS), hidden=32, seed=3, labels=LABELS
+    )
+    session = ort.InferenceSession(str(teacher), providers=["CPUExecutionProvider"])
+    with _serving(root, teacher) as address:
+        yield Served(address, session, "demo-3")
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +356,7 @@ def _binary_body(
     return header + data, len(header)
 
 
-def _bad_requests() -> list[tuple[str, bytes, dict[str, str], int, str]]:
+def _bad_requests() -> list[tuple[str, bytes, dict[str, Any], int, str]]:
     one = _frames(1).tobytes()
     huge, huge_len = _binary_body([2**52 + 1, SIZE, SIZE, 3], one)
     short, short_len = _binary_body([2, SIZE, SIZE, 3], one)
@@ -359,6 +369,8 @@ def _bad_requests() -> list[tuple[str, bytes, dict[str, str], int, str]]:
         ("size-past-body", past, {length: str(past_len)}, 400, "runs past"),
         ("trailing-bytes", extra + b"xx", {length: str(extra_len)}, 400, "2 bytes past"),
         ("header-beyond-body", extra, {length: str(len(extra) + 1)}, 400, "not a length"),
+        # Latin-1 "²" passes str.isdigit() but not int().
+        ("superscript-length", extra, {length: "²".encode("latin-1")}, 400, "not a length"),
         ("binary-without-header", extra, {}, 400, "not JSON"),
         ("not-json", b"{frames", {}, 400, "not JSON"),
         ("no-inputs", b'{"inputs": []}', {}, 400, "inputs"),
@@ -430,7 +442,7 @@ def _bad_requests() -> list[tuple[str, bytes, dict[str, str], int, str]]:
     ids=[case[0] for case in _bad_requests()],
 )
 def test_bad_infer_requests_answer_4xx_with_an_error(
-    http: httpx.Client, body: bytes, headers: dict[str, str], status: int, words: str
+    http: httpx.Client, body: bytes, headers: dict[str, Any], status: int, words: str
 ) -> None:
     answer = http.post(f"/v2/models/{MODEL}/infer", content=body, headers=headers)
     assert answer.status_code == status, answer.text
@@ -481,3 +493,19 @@ def test_openapi_documents_the_infer_body(http: httpx.Client) -> None:
     body = spec["paths"]["/v2/models/{name}/infer"]["post"]["requestBody"]["content"]
     assert "$ref" not in json.dumps(body)
     assert body["application/json"]["schema"]["properties"]["inputs"]["type"] == "array"
+
+
+def test_a_teacher_that_cannot_load_answers_503_and_not_ready(tmp_path: Path) -> None:
+    with _serving(tmp_path, tmp_path / "missing.onnx") as address:
+        unloaded = triton.InferenceServerClient(address)
+        try:
+            assert unloaded.is_server_live()
+            assert not unloaded.is_server_ready()
+            assert not unloaded.is_model_ready(MODEL)
+            with pytest.raises(InferenceServerException) as caught:
+                unloaded.infer(MODEL, [_input(_frames(1), binary=True)])
+        finally:
+            unloaded.close()
+    assert caught.value.status() == "503"
+    assert "not loaded" in (caught.value.message() or "")
+    assert "does not exist" in (caught.value.message() or "")

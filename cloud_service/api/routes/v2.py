@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import zlib
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -24,12 +25,13 @@ from importlib import metadata as package_metadata
 from typing import Any
 
 import numpy as np
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from cloud_service.api.deps import StateDep
@@ -50,23 +52,11 @@ EXTENSIONS = ("binary_tensor_data", "classification", "model_configuration")
 INPUT_DATATYPE = "UINT8"
 OUTPUT_DATATYPE = "FP32"
 
-# The V2 datatypes with a fixed element size. BF16 has no NumPy dtype and BYTES is
-# length-prefixed; neither is a type the teacher takes.
-_FIXED_SIZE: dict[str, np.dtype[Any]] = {
-    "BOOL": np.dtype(np.bool_),
-    "UINT8": np.dtype(np.uint8),
-    "UINT16": np.dtype("<u2"),
-    "UINT32": np.dtype("<u4"),
-    "UINT64": np.dtype("<u8"),
-    "INT8": np.dtype(np.int8),
-    "INT16": np.dtype("<i2"),
-    "INT32": np.dtype("<i4"),
-    "INT64": np.dtype("<i8"),
-    "FP16": np.dtype("<f2"),
-    "FP32": np.dtype("<f4"),
-    "FP64": np.dtype("<f8"),
-}
-DATATYPES = (*_FIXED_SIZE, "BF16", "BYTES")
+# Every V2 datatype, to tell a misspelt one from one the model does not take.
+DATATYPES = (
+    "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+    "FP16", "FP32", "FP64", "BF16", "BYTES",
+)  # fmt: skip
 
 
 class V2Error(ContractError):
@@ -97,7 +87,7 @@ class _V2Route(APIRoute):
             except V2Error as exc:
                 return _error(exc)
             except RequestValidationError as exc:
-                return _error(V2Error(f"request is not valid: {_summary(exc.errors())}", 422))
+                return _error(V2Error(f"request is not valid: {_summary(exc.errors())}"))
             except HTTPException as exc:
                 return _error(V2Error(str(exc.detail), exc.status_code))
 
@@ -282,9 +272,14 @@ def _server_version() -> str:
 # --- reading an infer request -----------------------------------------------------
 
 
+def _length(text: str) -> int | None:
+    """A header's decimal length, or None (``str.isdigit`` also takes "²", which int() refuses)."""
+    return int(text) if re.fullmatch(r"[0-9]{1,18}", text.strip()) else None
+
+
 async def _read_body(request: Request) -> bytes:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    declared = _length(request.headers.get("content-length", ""))
+    if declared is not None and declared > MAX_BODY_BYTES:
         raise V2Error(f"the body of {declared} bytes is over the limit of {MAX_BODY_BYTES}", 413)
     chunks: list[bytes] = []
     size = 0
@@ -321,12 +316,12 @@ def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     """The JSON header and the binary tensor data after it."""
     if header_length is None:
         return body, b""
-    text = header_length.strip()
-    if not text.isdigit() or not 0 < int(text) <= len(body):
+    length = _length(header_length)
+    if length is None or not 0 < length <= len(body):
         raise V2Error(
             f"{HEADER_LENGTH} {header_length!r} is not a length within the body's {len(body)} bytes"
         )
-    return body[: int(text)], body[int(text) :]
+    return body[:length], body[length:]
 
 
 def _parse(header: bytes) -> V2InferRequest:
@@ -389,7 +384,8 @@ def _frames(request: V2InferRequest, binary: bytes, info: ModelInfo) -> np.ndarr
     if (info.height is not None and shape[1] != info.height) or (
         info.width is not None and shape[2] != info.width
     ):
-        raise V2Error(f"input shape {shape}: the model takes [N, {info.height}, {info.width}, 3]")
+        h, w = (d if d is not None else axis for d, axis in ((info.height, "H"), (info.width, "W")))
+        raise V2Error(f"input shape {shape}: the model takes [N, {h}, {w}, 3]")
     count = math.prod(shape)  # Python ints: no overflow on a shape like [2**52 + 1, ...]
     if count > MAX_ELEMENTS:
         raise V2Error(f"input of {count} elements is over the limit of {MAX_ELEMENTS}")
@@ -513,9 +509,12 @@ class _Answer:
     binary: bytes
 
 
-def _infer(teacher: TeacherModel, name: str, body: bytes, header_length: str | None) -> _Answer:
+def _infer(
+    teacher: TeacherModel, name: str, body: bytes, *, encoding: str, header_length: str | None
+) -> _Answer:
+    """Answer one infer request's body (as sent, compressed or not)."""
     info = teacher.info
-    header, binary = _split(body, header_length)
+    header, binary = _split(_decompressed(body, encoding), header_length)
     request = _parse(header)
     wanted = _wanted(request, info)
     frames = _frames(request, binary, info)
@@ -540,10 +539,15 @@ async def _infer_route(
     # see a broken connection instead of the error.
     body = await _read_body(request)
     teacher = _served(state, name, version)
-    body = _decompressed(body, request.headers.get("content-encoding", ""))
-    # Parsing a large JSON tensor and running the model both take a while: off the loop.
+    # Inflating and parsing a large tensor and running the model take a while: off the loop.
     answer = await run_in_threadpool(
-        _infer, teacher, name, body, request.headers.get(HEADER_LENGTH)
+        lambda: _infer(
+            teacher,
+            name,
+            body,
+            encoding=request.headers.get("content-encoding", ""),
+            header_length=request.headers.get(HEADER_LENGTH),
+        )
     )
     headers: dict[str, str] = {}
     if answer.binary:
