@@ -327,3 +327,219 @@ def test_users_cli(tmp_path, monkeypatch) -> None:
     assert changed.exit_code == 0, changed.output
     listed = runner.invoke(app, ["users", "list", "--json"])
     assert listed.exit_code == 0 and json.loads(listed.output)[0]["role"] == "admin"
+
+
+# --- issue 24: agents without figures, class names, error pages, discard undo, exports ---
+
+
+def _status(agent: str, state: str, sent_at: Any, **figures: Any) -> Any:
+    from shared.messages import AgentStatus
+
+    return AgentStatus(fleet="fleet-a", agent=agent, state=state, sent_at=sent_at, **figures)
+
+
+def test_agents_page_with_idle_and_stopped_agents(ui: Ui) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    now = datetime.now(UTC)
+    with ui.state.sessions.begin() as session:
+        # Stopped: its last will carries no figures. Idle: a heartbeat long ago, no frames.
+        crud.record_agent_status(session=session, status=_status("cam-stopped", "offline", now))
+        idle_at = now - timedelta(minutes=30)
+        crud.record_agent_status(session=session, status=_status("cam-idle", "online", idle_at))
+        crud.record_agent_status(
+            session=session,
+            status=_status("cam-quiet", "online", now, provider="CPUExecutionProvider"),
+        )
+    login(ui.client, "ada")
+    page = ui.client.get("/ui/agents")
+    assert page.status_code == 200, page.text[:300]
+    rows = {
+        m.group(1): m.group(0)
+        for m in re.finditer(r"<tr>\s*<td><a[^>]*>([^<]+)</a>.*?</tr>", page.text, re.S)
+    }
+    assert "offline" in rows["cam-stopped"] and "stale" in rows["cam-idle"]
+    assert "online" in rows["cam-quiet"] and "CPUExecutionProvider" in rows["cam-quiet"]
+    assert "—" in rows["cam-stopped"]
+
+
+def _seed_unregistered(ui: Ui, model_name: str, classes: int, count: int = 3) -> list[str]:
+    """Samples (flagged, with verdicts) from a model the registry does not know."""
+    import uuid
+    from datetime import UTC, datetime
+
+    from cloud_service.db.models import Sample, Verdict
+
+    ids = []
+    now = datetime.now(UTC)
+    with ui.state.sessions.begin() as session:
+        for i in range(count):
+            sample_id = str(uuid.uuid4())
+            scores = [0.0] * classes
+            scores[i % classes] = 1.0
+            session.add(
+                Sample(
+                    sample_id=sample_id, fleet="fleet-z", agent_id="cam-z", captured_at=now,
+                    model_name=model_name, model_version="v1", edge_scores=scores,
+                    edge_predicted=i % classes, edge_confidence=1.0, route_reason="margin",
+                    image_key="seed/img-000.png", image_format="png", image_width=96,
+                    image_height=96, image_bytes=1000, meta={}, status="flagged",
+                )
+            )  # fmt: skip
+            session.flush()
+            session.add(
+                Verdict(
+                    sample_id=sample_id, teacher_model="teacher", teacher_version="t-1",
+                    scores=scores, label=i % classes, confidence=0.9, agrees_with_edge=True,
+                    review=True, review_reasons=["audit"], verified_at=now,
+                )
+            )  # fmt: skip
+            ids.append(sample_id)
+    return ids
+
+
+def test_class_names_come_from_the_models_and_filters_take_names(ui: Ui) -> None:
+    c = ui.client
+    login(c, "rev")
+    token = csrf_of(c)
+    queue = c.get("/ui/queue?status=any&per_page=100").text
+    assert '<option value="bird">' in queue  # the form suggests the models' class names
+    by_name = c.get("/ui/queue?status=any&per_page=100&edge_class=cat").text
+    by_index = c.get("/ui/queue?status=any&per_page=100&edge_class=4").text
+    assert by_name.count('class="row"') == by_index.count('class="row"') > 0
+    by_teacher = c.get("/ui/queue?status=any&per_page=100&teacher_class=dog")
+    assert by_teacher.status_code == 200 and by_teacher.text.count('class="row"') > 0
+    # A model the registry does not know: the teacher's names (its edgeloop.labels).
+    teacherless = _seed_unregistered(ui, "edge-student", classes=10)
+    view = c.get(f"/ui/api/samples/{teacherless[0]}").json()
+    assert view["classes"] == [f"class-{i}" for i in range(10)]
+    # Neither registry nor teacher: indices.
+    unknown = _seed_unregistered(ui, "mystery", classes=3)
+    assert c.get(f"/ui/api/samples/{unknown[0]}").json()["classes"] == ["0", "1", "2"]
+    filtered = c.get("/ui/queue?status=any&per_page=100&edge_class=class-1").text
+    assert teacherless[1] in filtered and teacherless[0] not in filtered
+    # Bulk relabel by name, checked against each sample's own classes.
+    a, b = ui.seeded["flagged"][:2]
+    done = c.post(
+        "/ui/queue/bulk",
+        data={"csrf_token": token, "action": "relabel", "label": "bird", "ids": [a, b]},
+    )
+    assert done.status_code == 303 and "2 done" in unquote(done.headers["location"])
+    assert c.get(f"/ui/api/samples/{a}").json()["labels"][0]["label"] == CLASSES.index("bird")
+    mixed = c.post(
+        "/ui/queue/bulk",
+        data={"csrf_token": token, "action": "relabel", "label": "bird", "ids": [unknown[0]]},
+    )
+    assert mixed.status_code == 422 and "is not a class of sample" in mixed.text
+
+
+def test_invalid_filters_and_bad_bulk_actions_show_the_error_page(ui: Ui) -> None:
+    c = ui.client
+    login(c, "rev")
+    token = csrf_of(c)
+    for path, reason in [
+        ("/ui/queue?status=bogus", "status 'bogus' is not one of"),
+        ("/ui/queue?conf_min=2", "conf_min must be a number in 0..1"),
+        ("/ui/queue?edge_class=unicorn", "'unicorn' is neither a class name nor a class index"),
+        ("/ui/queue?since=yesterday", "is not a date"),
+        ("/ui/export?format=bogus", "export format 'bogus' is not one of"),
+        ("/ui/review?sort=sideways", "sort 'sideways' is not one of"),
+        ("/ui/review/00000000-0000-4000-8000-000000000000", "is not stored"),
+    ]:
+        page = c.get(path, headers={"referer": "http://testserver/ui/queue?agent=cam-1"})
+        assert page.status_code in (404, 422), (path, page.status_code)
+        assert page.headers["content-type"].startswith("text/html"), path
+        found = re.search(r'id="error-message">([^<]*)<', page.text)
+        assert found and reason in unquote(found.group(1)).replace("&#39;", "'"), (path, page.text)
+        assert 'href="/ui/queue?agent=cam-1"' in page.text  # back where the reviewer was
+    first = [ui.seeded["flagged"][0]]
+    for data, reason in [
+        ({"action": "discard", "confirm": "yes"}, "no samples selected"),
+        ({"action": "explode", "ids": first}, "is not confirm, relabel or discard"),
+        ({"action": "relabel", "ids": first}, "relabel needs a class"),
+        ({"action": "relabel", "label": "unicorn", "ids": first}, "'unicorn' is not a class"),
+    ]:
+        page = c.post("/ui/queue/bulk", data={"csrf_token": token, **data})
+        assert page.status_code == 422 and page.headers["content-type"].startswith("text/html")
+        assert reason in page.text.replace("&#39;", "'"), (data, page.text)
+    # Fetches keep their JSON.
+    api = c.get("/ui/api/samples/00000000-0000-4000-8000-000000000000")
+    assert api.status_code == 404 and "is not stored" in api.json()["detail"]
+
+
+def test_bulk_discard_asks_first_and_can_be_undone(ui: Ui) -> None:
+    c = ui.client
+    login(c, "rev")
+    token = csrf_of(c)
+    a, b, d = ui.seeded["flagged"][:3]
+    asked = c.post(
+        "/ui/queue/bulk",
+        data={"csrf_token": token, "action": "discard", "ids": [a, b, d], "back": "agent=cam-1"},
+    )
+    assert asked.status_code == 200 and "Discard 3 samples?" in asked.text
+    assert c.get(f"/ui/api/samples/{a}").json()["status"] == "flagged"  # nothing done yet
+    with ui.state.sessions.begin() as session:
+        crud.add_label(session=session, sample_id=d, label=1, labeled_by="someone-else")
+    done = c.post(
+        "/ui/queue/bulk",
+        data={"csrf_token": token, "action": "discard", "confirm": "yes", "ids": [a, b, d],
+              "back": "agent=cam-1"},
+    )  # fmt: skip
+    assert done.status_code == 303
+    where = done.headers["location"]
+    assert where.startswith("/ui/queue?agent=cam-1&") and "2 done, 1 skipped" in unquote(where)
+    assert {c.get(f"/ui/api/samples/{i}").json()["status"] for i in (a, b)} == {"discarded"}
+    queue = c.get(where).text
+    undo_token = re.search(r'name="token" value="([^"]+)"', queue)
+    assert undo_token and 'id="undo-bulk-button"' in queue
+    # Someone confirms one of them meanwhile: the undo leaves it as it is now.
+    view = c.get(f"/ui/api/samples/{b}").json()
+    c.post(
+        f"/ui/api/samples/{b}/review",
+        json={"action": "label", "label": 2, "token": view["token"]},
+        headers={"X-CSRF-Token": token},
+    )
+    other = TestClient(c.app, follow_redirects=False)
+    login(other, "ada")
+    refused = other.post(
+        "/ui/queue/undo", data={"csrf_token": csrf_of(other), "token": undo_token.group(1)}
+    )
+    assert refused.status_code == 422 and "only the reviewer who discarded" in refused.text
+    forged = c.post("/ui/queue/undo", data={"csrf_token": token, "token": "AAAA.BBBB"})
+    assert forged.status_code == 422 and "not valid any more" in forged.text
+    undone = c.post(
+        "/ui/queue/undo",
+        data={"csrf_token": token, "token": undo_token.group(1), "back": "agent=cam-1"},
+    )
+    assert undone.status_code == 303
+    assert "1 samples restored, 1 skipped" in unquote(undone.headers["location"])
+    assert c.get(f"/ui/api/samples/{a}").json()["status"] == "flagged"
+    assert c.get(f"/ui/api/samples/{b}").json()["status"] == "reviewed"
+    assert c.get(f"/ui/api/samples/{d}").json()["status"] == "reviewed"
+
+
+def test_export_follows_the_status_filter_and_guards_csv_cells(ui: Ui) -> None:
+    c = ui.client
+    login(c, "rev")
+    token = csrf_of(c)
+    a, b = ui.seeded["flagged"][:2]
+    c.post(
+        "/ui/queue/bulk",
+        data={"csrf_token": token, "action": "discard", "confirm": "yes", "ids": [b]},
+    )
+    with ui.state.sessions.begin() as session:
+        crud.add_label(session=session, sample_id=a, label=3, labeled_by='=HYPERLINK("x")')
+    flagged = c.get("/ui/export?status=flagged&format=json").json()
+    assert flagged and {r["status"] for r in flagged} == {"flagged"}
+    assert {r["source"] for r in flagged} == {"teacher"} and a not in {
+        r["sample_id"] for r in flagged
+    }
+    assert len(flagged) == len(ui.seeded["flagged"]) - 2
+    discarded = c.get("/ui/export?status=discarded&format=json").json()
+    assert [(r["sample_id"], r["label"]) for r in discarded] == [(b, None)]
+    verified = c.get("/ui/export?status=verified&format=csv").text
+    assert verified.count("\n") - 1 == 40 - len(ui.seeded["flagged"])
+    reviewed = list(csv.DictReader(io.StringIO(c.get("/ui/export?status=reviewed").text)))
+    assert [(r["sample_id"], r["class_name"], r["labeled_by"]) for r in reviewed] == [
+        (a, "dog", '\'=HYPERLINK("x")')
+    ]
