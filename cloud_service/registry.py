@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -34,25 +35,39 @@ from sqlalchemy.orm import Session
 
 from cloud_service.announce import Announcer
 from cloud_service.blobs import BlobStore
-from cloud_service.db.models import AgentOverride, FleetModel, ModelVersion, Rollout
+from cloud_service.db.models import (
+    Agent,
+    AgentOverride,
+    FleetModel,
+    ModelStatusEvent,
+    ModelVersion,
+    Rollout,
+)
 from cloud_service.errors import ConflictError, NotFoundError
-from shared.errors import ContractError, ManifestError, ModelError
+from shared.errors import ContractError, ManifestError
 from shared.manifest import (
     FleetSigningKey,
     GoldenCase,
     InputSpec,
     ModelManifest,
+    ModelSource,
+    agent_refusal,
     sign_manifest,
 )
 from shared.messages import encode_message
 from shared.topics import Topics, validate_id
 
 __all__ = [
+    "AgentInstall",
+    "AgentRefusal",
+    "InstallSummary",
+    "agent_refusals",
     "apply_retention",
     "artifact_path",
     "build_manifest",
     "get_version",
     "inspect_onnx",
+    "install_summary",
     "list_versions",
     "min_runtime_for_opset",
     "pin",
@@ -96,54 +111,102 @@ def min_runtime_for_opset(opset: int) -> str:
     return ".".join(onnxruntime.__version__.split(".")[:2])
 
 
+_WRAP_HINT = "; wrap a model of another contract with `edgeloop models import`"
+
+
+def _refused(message: str, reason: str) -> ManifestError:
+    return ManifestError(message, reason=reason)
+
+
+def _labels_from(meta: dict[str, str]) -> list[str] | None:
+    if "edgeloop.labels" not in meta:
+        return None
+    try:
+        parsed = json.loads(meta["edgeloop.labels"])
+    except ValueError as exc:
+        raise _refused(f"the model's edgeloop.labels is not JSON: {exc}", "labels") from None
+    if not isinstance(parsed, list) or not all(isinstance(x, str | int) for x in parsed):
+        raise _refused("the model's edgeloop.labels must be a JSON list of class names", "labels")
+    return [str(x) for x in parsed]
+
+
 def inspect_onnx(data: bytes) -> dict[str, Any]:
-    """Name, version, input spec, output, labels and opset read from an ONNX model."""
+    """Name, version, input spec, output, labels, opset and source read from an ONNX student.
+
+    Refuses (ManifestError, with the agent's reason slug) a model no agent would load:
+    the student contract is one input ``frames`` uint8 [batch, H, W, 3] with a fixed H and
+    W, and an output ``scores`` [batch, classes].
+    """
     import onnx
 
     try:
         model = onnx.load_model_from_string(data)
     except Exception as exc:  # protobuf raises its own DecodeError
-        raise ManifestError(f"the artifact is not an ONNX model: {exc}") from exc
+        raise _refused(f"the artifact is not an ONNX model: {exc}", "not_onnx") from exc
     graph = model.graph
     initializers = {i.name for i in graph.initializer}
     inputs = [i for i in graph.input if i.name not in initializers]
-    if len(inputs) != 1 or len(graph.output) < 1:
-        raise ManifestError("a student needs exactly one input and a scores output")
+    outputs = {o.name: o for o in graph.output}
+    names = [i.name for i in inputs]
+    if len(inputs) != 1 or names[0] != "frames" or "scores" not in outputs:
+        raise _refused(
+            f"the model's tensors are {names} -> {sorted(outputs)}; the student contract is"
+            " 'frames' -> 'scores'" + _WRAP_HINT,
+            "incompatible_input",
+        )
     tensor = inputs[0].type.tensor_type
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name if tensor.elem_type else "?"
     shape: list[int | str] = []
     for dim in tensor.shape.dim:
         if dim.HasField("dim_value"):
             shape.append(int(dim.dim_value))
         else:
             shape.append(dim.dim_param or "batch")
-    out = graph.output[0]
-    out_dims = out.type.tensor_type.shape.dim
+    fixed_hw = len(shape) == 4 and isinstance(shape[1], int) and isinstance(shape[2], int)
+    if dtype != "uint8" or not fixed_hw or shape[3] != 3:
+        raise _refused(
+            f"input 'frames' is {dtype} {shape}; agents feed uint8 NHWC [batch, H, W, 3] with"
+            " a fixed H and W" + _WRAP_HINT,
+            "incompatible_input",
+        )
+    out_dims = outputs["scores"].type.tensor_type.shape.dim
     meta = {p.key: p.value for p in model.metadata_props}
-    labels: list[str]
-    if "edgeloop.labels" in meta:
-        labels = [str(x) for x in json.loads(meta["edgeloop.labels"])]
-    elif len(out_dims) == 2 and out_dims[1].HasField("dim_value"):
-        labels = [str(i) for i in range(out_dims[1].dim_value)]
-    else:
-        raise ManifestError("the model names no labels (edgeloop.labels) and has no fixed classes")
+    labels = _labels_from(meta)
+    if labels is None:
+        if len(out_dims) == 2 and out_dims[1].HasField("dim_value"):
+            labels = [str(i) for i in range(out_dims[1].dim_value)]
+        else:
+            raise _refused(
+                "the model names no labels (edgeloop.labels) and has no fixed classes", "labels"
+            )
     opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
     if opset < 1:
-        raise ManifestError("the model imports no ai.onnx opset")
-    if dtype not in ("uint8", "int8", "float16", "float32"):
-        raise ManifestError(f"input dtype {dtype} is not one a student takes")
+        raise _refused("the model imports no ai.onnx opset", "incompatible_opset")
+    source = None
+    if "edgeloop.source" in meta:
+        try:
+            source = ModelSource.model_validate_json(meta["edgeloop.source"])
+        except ValueError as exc:  # pydantic: an older or foreign description
+            log.warning("ignoring the model's edgeloop.source: %s", exc)
     return {
         "name": meta.get("edgeloop.name"),
         "version": meta.get("edgeloop.version"),
-        "input": InputSpec(name=inputs[0].name, shape=shape, dtype=dtype, layout="NHWC"),
-        "output_name": out.name,
+        "input": InputSpec(name="frames", shape=shape, dtype="uint8", layout="NHWC"),
+        "output_name": "scores",
         "labels": labels,
         "opset": int(opset),
+        "source": source,
     }
 
 
-def _golden(data: bytes, spec: InputSpec, output_name: str, atol: float) -> list[GoldenCase]:
-    """Deterministic frames and the scores this model gives them (ONNX Runtime, CPU)."""
+def _golden(
+    data: bytes, spec: InputSpec, output_name: str, atol: float, labels: Sequence[str]
+) -> list[GoldenCase]:
+    """Deterministic frames and the scores this model gives them (ONNX Runtime, CPU).
+
+    This is also the check that this cloud's runtime loads and runs the model: a
+    model it cannot run is refused here, before any agent is told about it.
+    """
     import onnxruntime as ort
 
     dims = [d if isinstance(d, int) else 1 for d in spec.shape]
@@ -155,17 +218,127 @@ def _golden(data: bytes, spec: InputSpec, output_name: str, atol: float) -> list
         session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
         scores = session.run([output_name], {spec.name: frames.astype(spec.dtype)})[0]
     except Exception as exc:  # ORT's untyped errors, wrapped once
-        raise ModelError(f"the model does not run on its golden inputs: {exc}") from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise _refused(
+            f"onnxruntime {ort.__version__} cannot load or run the model: {first}", "load_failed"
+        ) from exc
+    scores = np.asarray(scores, dtype=np.float32)
+    if scores.ndim != 2 or scores.shape[0] != count:
+        raise _refused(
+            f"'scores' has shape {list(scores.shape)} for {count} frames; it must be"
+            " [batch, classes]",
+            "incompatible_output",
+        )
+    if scores.shape[1] != len(labels):
+        raise _refused(
+            f"the model names {len(labels)} labels but 'scores' has {scores.shape[1]} classes",
+            "labels",
+        )
     import base64
 
     return [
         GoldenCase(
             input=base64.b64encode(frames.tobytes()).decode("ascii"),
             shape=[count, *dims[1:]],
-            expected=[[float(x) for x in row] for row in np.asarray(scores, dtype=np.float32)],
+            expected=[[float(x) for x in row] for row in scores],
             atol=atol,
         )
     ]
+
+
+def _stamp_identity(data: bytes, name: str | None, version: str | None) -> bytes:
+    """The artifact with ``edgeloop.name`` / ``edgeloop.version`` set to the registry's.
+
+    The agent tags every sample with the version its model file names, and the
+    verifier its verdicts: a version registered under another name than the file's
+    metadata is rewritten so that the file, the manifest and the samples agree.
+    """
+    import onnx
+
+    wanted = {k: v for k, v in (("edgeloop.name", name), ("edgeloop.version", version)) if v}
+    if not wanted:
+        return data
+    model = onnx.load_model_from_string(data)
+    meta = {p.key: p.value for p in model.metadata_props}
+    if all(meta.get(k) == v for k, v in wanted.items()):
+        return data
+    kept = [p for p in model.metadata_props if p.key not in wanted]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    for key, value in wanted.items():
+        model.metadata_props.add(key=key, value=value)
+    return bytes(model.SerializeToString())
+
+
+@dataclass(frozen=True)
+class AgentRefusal:
+    """An agent that would refuse a version, and why (its model-status reason slug)."""
+
+    agent_id: str
+    fleet: str
+    reason: str
+    message: str
+
+
+def agent_refusals(
+    *,
+    session: Session,
+    manifest: ModelManifest,
+    fleet: str | None = None,
+    agents: Sequence[str] | None = None,
+) -> list[AgentRefusal]:
+    """The agents that would refuse ``manifest``, judged from what their heartbeats report.
+
+    Whom: ``agents`` when given, else the agents of ``fleet``, else the agents serving a
+    model of the same name. An agent that reports no input size, runtime or opset (one
+    older than these heartbeat fields) is left out; it reports its answer on install.
+    """
+    stmt = select(Agent).order_by(Agent.agent_id)
+    if agents is not None:
+        stmt = stmt.where(Agent.agent_id.in_(list(agents)))
+    elif fleet is not None:
+        stmt = stmt.where(Agent.fleet == fleet)
+    refusals: list[AgentRefusal] = []
+    for agent in session.scalars(stmt):
+        telemetry = agent.telemetry or {}
+        if agents is None and fleet is None and telemetry.get("model_name") != manifest.name:
+            continue
+        hw = telemetry.get("input_hw")
+        runtime, max_opset = telemetry.get("runtime_version"), telemetry.get("max_opset")
+        if not (isinstance(hw, list) and len(hw) == 2 and runtime and max_opset):
+            continue
+        refusal = agent_refusal(
+            manifest,
+            input_hw=(int(hw[0]), int(hw[1])),
+            max_opset=int(max_opset),
+            runtime_version=str(runtime),
+        )
+        if refusal is not None:
+            refusals.append(AgentRefusal(agent.agent_id, agent.fleet, *refusal))
+    return refusals
+
+
+def _refusal_message(manifest: ModelManifest, refusals: Sequence[AgentRefusal]) -> str:
+    shown = "; ".join(f"agent {r.agent_id} (fleet {r.fleet}): {r.message}" for r in refusals[:3])
+    more = f" and {len(refusals) - 3} more" if len(refusals) > 3 else ""
+    return (
+        f"{len(refusals)} agent(s) would refuse {manifest.name} {manifest.version}"
+        f" ({refusals[0].reason}): {shown}{more}"
+    )
+
+
+def _check_agents(
+    session: Session,
+    record: ModelVersion,
+    *,
+    fleet: str | None = None,
+    agents: Sequence[str] | None = None,
+) -> None:
+    """ConflictError (409) if agents about to be told of ``record`` would refuse it."""
+    manifest = ModelManifest.model_validate(record.manifest)
+    refusals = agent_refusals(session=session, manifest=manifest, fleet=fleet, agents=agents)
+    if refusals:
+        raise ConflictError(_refusal_message(manifest, refusals), reason=refusals[0].reason)
 
 
 def artifact_key(name: str, sha256: str) -> str:
@@ -211,10 +384,11 @@ def build_manifest(
             labels=info["labels"],
             opset=info["opset"],
             min_runtime_version=min_runtime_for_opset(info["opset"]),
-            golden=_golden(data, info["input"], info["output_name"], atol),
+            golden=_golden(data, info["input"], info["output_name"], atol, info["labels"]),
             created_at=now or datetime.now(UTC),
             parent_version=parent_version,
             metrics=metrics or {},
+            source=info["source"],
         )
     except ValueError as exc:  # pydantic: a manifest field out of its range
         raise ManifestError(f"cannot describe model {name} {version}: {exc}") from exc
@@ -234,9 +408,17 @@ def register_model(
     source: str | None = None,
     atol: float = 1e-3,
     now: datetime | None = None,
+    fleet: str | None = None,
 ) -> ModelVersion:
-    """Store, describe and sign a new immutable version; raises ConflictError if it exists."""
+    """Store, describe and sign a new immutable version; raises ConflictError if it exists.
+
+    Refused with the reason (ManifestError) when no agent could run it (the student
+    contract, labels, opset, this cloud's runtime), or when the agents it is meant for
+    would refuse it: those of ``fleet``, else those serving a model of the same name.
+    """
     data = artifact.read_bytes() if isinstance(artifact, Path) else bytes(artifact)
+    inspect_onnx(data)  # refuses a file that is no student before it is rewritten
+    data = _stamp_identity(data, name, version)
     manifest = build_manifest(
         data,
         name=name,
@@ -253,6 +435,9 @@ def register_model(
     ).first()
     if existing is not None:
         raise ConflictError(f"model {name} {version} is already registered; versions are immutable")
+    refusals = agent_refusals(session=session, manifest=manifest, fleet=fleet)
+    if refusals:
+        raise ManifestError(_refusal_message(manifest, refusals), reason=refusals[0].reason)
     announcement = sign_manifest(manifest, key)
     raw = encode_message(announcement)
     blob_key = artifact_key(name, sha)
@@ -341,6 +526,7 @@ def set_overrides(
 ) -> None:
     """Point these agents at ``record`` with a per-agent retained announcement."""
     _servable(record)
+    _check_agents(session, record, agents=agents)
     for agent in agents:
         validate_id(agent, "agent")
         override = session.get(AgentOverride, agent)
@@ -371,6 +557,7 @@ def promote(
     validate_id(fleet, "fleet")
     record = get_version(session=session, name=name, version=version)
     _servable(record)
+    _check_agents(session, record, fleet=fleet)
     current = session.get(FleetModel, fleet)
     if current is None:
         current = FleetModel(fleet=fleet, model_name=name, version=version, history=[])
@@ -474,3 +661,107 @@ def apply_retention(*, session: Session, blobs: BlobStore, name: str, keep: int)
     if removed:
         log.info("retention removed %s %s", name, removed)
     return removed
+
+
+@dataclass(frozen=True)
+class AgentInstall:
+    """Where one agent stands with one version, from its model-status reports."""
+
+    agent_id: str
+    fleet: str
+    state: str  # installed | refused | installing | replaced | pending
+    reason: str | None
+    at: datetime | None
+
+
+@dataclass(frozen=True)
+class InstallSummary:
+    """Per-agent install state of a version, and the state to show for it."""
+
+    installs: list[AgentInstall]
+    state: str  # the version's state, never "serving" while agents refuse it
+
+    def count(self, state: str) -> int:
+        return sum(1 for item in self.installs if item.state == state)
+
+
+_STEP_STATE = {
+    "active": "installed",
+    "rolled-back": "installed",  # reported for the version rolled back to
+    "rejected": "refused",
+    "downloaded": "installing",
+    "verified": "installing",
+}
+
+
+def install_summary(*, session: Session, record: ModelVersion) -> InstallSummary:
+    """Which agents installed ``record``, refused it (with the reason) or have yet to answer.
+
+    The agents meant to run it are those of the fleets announcing it (less those held on
+    another version by an override) and those an override points at it; any other agent
+    that reported on it is listed too.
+    """
+    name, version = record.name, record.version
+    fleets = set(
+        session.scalars(
+            select(FleetModel.fleet).where(
+                FleetModel.model_name == name, FleetModel.version == version
+            )
+        )
+    )
+    overrides = list(session.scalars(select(AgentOverride)))
+    targeted: dict[str, str] = {}
+    if fleets:
+        for agent_id, fleet in session.execute(
+            select(Agent.agent_id, Agent.fleet).where(Agent.fleet.in_(fleets))
+        ):
+            targeted[agent_id] = fleet
+    for override in overrides:
+        if (override.model_name, override.version) == (name, version):
+            targeted[override.agent_id] = override.fleet
+        else:
+            targeted.pop(override.agent_id, None)
+    latest: dict[str, ModelStatusEvent] = {}
+    events = session.scalars(
+        select(ModelStatusEvent)
+        .where(ModelStatusEvent.model_name == name, ModelStatusEvent.model_version == version)
+        .order_by(ModelStatusEvent.id)
+    )
+    for step in events:
+        latest[step.agent_id] = step  # the last step each agent reported wins
+    agents = {
+        a.agent_id: a
+        for a in session.scalars(
+            select(Agent).where(Agent.agent_id.in_(set(targeted) | set(latest)))
+        )
+    }
+    installs: list[AgentInstall] = []
+    for agent_id in sorted(set(targeted) | set(latest)):
+        agent = agents.get(agent_id)
+        serves = agent is not None and agent.model_version == version
+        event = latest.get(agent_id)
+        fleet = targeted.get(agent_id) or (event.fleet if event else agent.fleet if agent else "")
+        if event is None:
+            state = "installed" if serves else "pending"
+            installs.append(AgentInstall(agent_id, fleet, state, None, None))
+            continue
+        state = _STEP_STATE.get(event.state, event.state)
+        if (
+            state == "installed"
+            and agent is not None
+            and agent.model_version not in (None, version)
+        ):
+            state = "replaced"  # rolled back from it, or moved on to another version
+        reason = event.reason if state == "refused" else None
+        installs.append(AgentInstall(agent_id, fleet, state, reason, event.at))
+    summary = InstallSummary(installs=installs, state=record.state)
+    refused, installed = summary.count("refused"), summary.count("installed")
+    if refused and not installed:
+        shown = "refused"
+    elif refused:
+        shown = "partly refused"
+    elif record.state == "serving" and not installed:
+        shown = "announced"
+    else:
+        shown = record.state
+    return InstallSummary(installs=installs, state=shown)

@@ -63,7 +63,12 @@ from edge_agent.routing import Decision, Router
 from edge_agent.settings import AgentSettings
 from edge_agent.spool import NewSample, Spool, SpoolWriter, connect
 from edge_agent.telemetry import Telemetry
-from edge_agent.updates import ModelUpdater, active_model_path
+from edge_agent.updates import (
+    ModelUpdater,
+    active_model_path,
+    max_supported_opset,
+    runtime_version,
+)
 from edge_agent.uplink import Backoff, MqttLink, Publisher
 from shared.envelope import encode_envelope
 from shared.errors import EdgeLoopError, MessageError, StoreError
@@ -1158,6 +1163,10 @@ class Agent:
             cpu_percent=st["cpu_percent"],
             memory_mb=st["memory_mb"],
             gpu=st["gpu"],
+            model_name=st["model"]["name"],
+            input_hw=st["model"]["input_hw"],
+            runtime_version=runtime_version(),
+            max_opset=self.settings.max_model_opset or max_supported_opset(),
         )
         self.publisher.publish(self.topic_status, payload, qos=1, retain=True)
 

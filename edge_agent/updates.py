@@ -58,6 +58,7 @@ __all__ = [
     "active_model_path",
     "max_supported_opset",
     "offline_rollback",
+    "runtime_version",
 ]
 
 log = logging.getLogger(__name__)

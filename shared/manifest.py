@@ -300,13 +300,13 @@ def agent_refusal(
             f" {runtime_version}",
         )
     spec = manifest.input
-    expected = ["batch", input_hw[0], input_hw[1], 3]
+    expected = f"[batch, {input_hw[0]}, {input_hw[1]}, 3]"
     shape_ok = len(spec.shape) == 4 and spec.shape[1:] == [input_hw[0], input_hw[1], 3]
     if spec.dtype != "uint8" or spec.layout != "NHWC" or not shape_ok:
         return (
             "incompatible_input",
-            f"model takes {spec.dtype} {spec.layout} {spec.shape}; the agent feeds"
-            f" uint8 NHWC {expected}",
+            f"model takes {spec.dtype} {spec.layout} [{', '.join(map(str, spec.shape))}];"
+            f" the agent feeds uint8 NHWC {expected}",
         )
     if spec.name != "frames" or manifest.output_name != "scores":
         return (

@@ -270,6 +270,12 @@ class AgentStatus(Message):
     gpu: dict[Annotated[str, Field(min_length=1, max_length=64)], float] | None = Field(
         default=None, max_length=16
     )
+    # What the agent would install (shared.manifest.agent_refusal): the registry checks
+    # a version against these before it accepts or announces it.
+    model_name: ShortText | None = None
+    input_hw: list[Dimension] | None = Field(default=None, min_length=2, max_length=2)
+    runtime_version: ShortText | None = None
+    max_opset: Annotated[int, Field(ge=1, le=1000)] | None = None
 
 
 class ModelStatus(Message):

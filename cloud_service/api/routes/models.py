@@ -31,6 +31,7 @@ from cloud_service.api.deps import (
 from cloud_service.api.schemas import RowIdPath
 from cloud_service.db.models import ModelStatusEvent, ModelVersion, Rollout, RolloutEvent
 from shared.errors import ContractError, StoreError
+from shared.topics import validate_id
 
 router = APIRouter(prefix="/v1", tags=["models"])
 
@@ -57,10 +58,23 @@ class ModelVersionOut(BaseModel):
     created_at: datetime
 
 
+class AgentInstallOut(BaseModel):
+    agent: str
+    fleet: str
+    state: str = Field(description="installed, refused, installing, replaced or pending")
+    reason: str | None
+    at: datetime | None
+
+
 class ModelDetail(ModelVersionOut):
     manifest: dict[str, Any]
     serving_fleets: list[str]
     agent_status: list[dict[str, Any]]
+    install_state: str = Field(
+        description="the state to show: 'refused' / 'partly refused' while agents refuse it,"
+        " 'announced' until one installs it"
+    )
+    installs: list[AgentInstallOut]
 
 
 class RegisterFromPath(BaseModel):
@@ -72,6 +86,9 @@ class RegisterFromPath(BaseModel):
     format: str = "fp32"
     metrics: dict[str, float] = Field(default_factory=dict)
     parent_version: str | None = None
+    fleet: FleetId | None = Field(
+        default=None, description="check against this fleet's agents (default: those serving it)"
+    )
 
 
 def _form_metrics(text: str | None) -> dict[str, float]:
@@ -168,6 +185,7 @@ def _detail(session: Any, record: ModelVersion) -> ModelDetail:
         .order_by(ModelStatusEvent.id.desc())
         .limit(200)
     ).all()
+    summary = registry.install_summary(session=session, record=record)
     return ModelDetail(
         **ModelVersionOut.model_validate(record).model_dump(),
         manifest=record.manifest,
@@ -175,6 +193,13 @@ def _detail(session: Any, record: ModelVersion) -> ModelDetail:
         agent_status=[
             {"agent": e.agent_id, "state": e.state, "reason": e.reason, "at": e.at.isoformat()}
             for e in events
+        ],
+        install_state=summary.state,
+        installs=[
+            AgentInstallOut(
+                agent=i.agent_id, fleet=i.fleet, state=i.state, reason=i.reason, at=i.at
+            )
+            for i in summary.installs
         ],
     )
 
@@ -191,7 +216,11 @@ def list_models(
 
 @router.post("/models", status_code=status.HTTP_201_CREATED)
 async def register(request: Request, state: StateDep, _admin: AdminDep) -> ModelDetail:
-    """Register an ONNX student: multipart upload (``file`` + form fields) or a JSON path."""
+    """Register an ONNX student: multipart upload (``file`` + form fields) or a JSON path.
+
+    Refused with 422 and the reason when no agent could run it, or when the agents it is
+    meant for (``fleet``'s, else those serving a model of its name) would refuse it.
+    """
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     fields: dict[str, Any]
     if content_type == "multipart/form-data":
@@ -208,6 +237,9 @@ async def register(request: Request, state: StateDep, _admin: AdminDep) -> Model
             await form.close()
         metrics = _form_metrics(fields.get("metrics"))
         source = "upload"
+        fleet = fields.get("fleet") or None
+        if fleet is not None:
+            validate_id(fleet, "fleet")
     else:
         try:
             body = RegisterFromPath.model_validate_json(await request.body())
@@ -222,8 +254,9 @@ async def register(request: Request, state: StateDep, _admin: AdminDep) -> Model
         artifact = FilePath(body.path)
         if not artifact.is_file():
             raise ContractError(f"{body.path} is not a file on the cloud host")
-        fields = body.model_dump(exclude={"metrics", "path"})
+        fields = body.model_dump(exclude={"metrics", "path", "fleet"})
         metrics = body.metrics
+        fleet = body.fleet
         source = body.path[-256:]
 
     def work() -> ModelDetail:
@@ -240,6 +273,7 @@ async def register(request: Request, state: StateDep, _admin: AdminDep) -> Model
                 parent_version=fields.get("parent_version") or None,
                 source=source,
                 atol=state.settings.golden_atol,
+                fleet=fleet,
             )
             registry.apply_retention(
                 session=session,
