@@ -25,7 +25,7 @@ from distill.drift import DRIFT_KINDS, DriftSpecError, format_drift_spec, parse_
 from distill.evaluate import OnnxClassifier, evaluate, load_classifier
 from distill.export import export_onnx, read_onnx_info
 from distill.models import ModelMeta, model_profile, save_checkpoint
-from distill.quantize import QuantSettings, quantize_onnx, select_settings
+from distill.quantize import QuantSettings, quantization_frames, quantize_onnx, select_settings
 from distill.train import TrainConfig, train
 from shared.errors import DataError, EdgeLoopError, ModelError
 
@@ -239,7 +239,9 @@ def train_cmd(
     data: Annotated[
         str,
         typer.Option(
-            "--data", help="A folder ROOT/<class>/<images>, or 'digits' for the built-in scenario."
+            "--data",
+            help="Labelled images: a folder ROOT/<class>/<images>, a COCO annotations .json,"
+            " a YOLO folder, or 'digits' for the built-in scenario.",
         ),
     ],
     role: Annotated[RoleChoice, typer.Option("--role", help="Which reference recipe to use.")],
@@ -259,13 +261,24 @@ def train_cmd(
             help="Train on drifted frames (default: on for teacher, off for student).",
         ),
     ] = None,
+    data_format: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="How --data is laid out: auto (detected), imagefolder, coco (an annotations"
+            " .json with its images beside it), yolo (txt labels; names in data.yaml or"
+            " classes.txt).",
+        ),
+    ] = "auto",
     json_out: JsonOpt = False,
 ) -> None:
     """Train a teacher or student on labelled images; write .pt and .onnx."""
     with _friendly_errors():
-        train_data = load_data(data, split="train", frame_size=frame_size)
+        train_data = load_data(data, split="train", frame_size=frame_size, format=data_format)
         try:
-            val_data = load_data(data, split="validation", frame_size=frame_size)
+            val_data = load_data(
+                data, split="validation", frame_size=frame_size, format=data_format
+            )
         except DataError:
             val_data = None  # a small folder may have no file hashed into validation
         overrides: dict[str, Any] = {"seed": seed, "frame_size": frame_size}
@@ -411,8 +424,9 @@ def quantize(
         str,
         typer.Option(
             "--calibration",
-            help="Frames to calibrate on: a folder ROOT/<class>/<images>,"
-            " or 'digits' (its stream pool).",
+            help="Labelled frames: a dataset (ImageFolder, COCO JSON, YOLO) whose train split"
+            " calibrates and whose test split (else validation) is held out for the reported"
+            " accuracy, or 'digits' (stream pool / test split).",
         ),
     ] = DIGITS,
     out: Annotated[
@@ -440,14 +454,10 @@ def quantize(
         qs = None if auto else QuantSettings.parse(settings)
         path = _resolve_model(model, cache_dir, quick)
         info = read_onnx_info(path)
-        if str(calibration) == DIGITS:
-            calib = load_data(DIGITS, split="stream", frame_size=info.frame_size)
-            check = load_data(DIGITS, split="test", frame_size=info.frame_size)
-            check_note = "digits test split"
-        else:
-            calib = load_data(calibration, split="all", frame_size=info.frame_size)
-            check = calib
-            check_note = "the calibration frames"
+        # Calibrated on one split, reported on another (held out): accuracy on the
+        # calibration frames themselves says nothing about frames the model never saw.
+        frames = quantization_frames(calibration, frame_size=info.frame_size)
+        calib, check, check_note = frames.calibration, frames.held_out, frames.note
         int8_name = path.name.removesuffix(".onnx") + ".int8.onnx"
         # Never write into the model cache: its entries are immutable once built.
         out = out or (
@@ -455,11 +465,7 @@ def quantize(
         )
         selection = None
         if qs is None:
-            val = (
-                load_data(DIGITS, split="validation", frame_size=info.frame_size)
-                if str(calibration) == DIGITS
-                else calib
-            )
+            val = frames.selection
             chosen, _ = select_settings(
                 path, calib.frames.frames, val.frames, out.parent / f".{out.stem}-trials"
             )
