@@ -49,6 +49,10 @@ def _triple(text: str, what: str) -> tuple[float, float, float]:
     return (values[0], values[1], values[2])
 
 
+def _default_scale(dtype: str) -> float:
+    return 1 / 255 if dtype == "float32" else 1.0
+
+
 def _size(text: str | None) -> tuple[int, int] | None:
     """``WxH`` as (height, width)."""
     if text is None:
@@ -95,9 +99,13 @@ def register_import_command(models_app: typer.Typer) -> None:
         ] = "0,0,0",
         std: Annotated[str, typer.Option("--std", help="per channel R,G,B")] = "1,1,1",
         scale: Annotated[
-            float,
-            typer.Option("--scale", help="pixel (0-255) multiplier, e.g. 0.00392156862745098"),
-        ] = 1.0,
+            float | None,
+            typer.Option(
+                "--scale",
+                help="pixel (0-255) multiplier; default 1/255 for float32 (pixels in 0..1, as"
+                " torchvision's mean/std expect), 1 for uint8; --scale 1 for 0..255 floats",
+            ),
+        ] = None,
         output: Annotated[
             str | None, typer.Option("--output", help="the scores output (default: the only one)")
         ] = None,
@@ -134,7 +142,7 @@ def register_import_command(models_app: typer.Typer) -> None:
                 size=_size(size),
                 mean=_triple(mean, "mean"),
                 std=_triple(std, "std"),
-                scale=scale,
+                scale=scale if scale is not None else _default_scale(dtype.value),
                 output_name=output,
                 outputs=outputs.value if outputs else None,
                 name=name,
