@@ -264,6 +264,7 @@ def bulk(
     confirm: Annotated[str, Form(max_length=8)] = "",
 ) -> Response:
     """Confirm, relabel or discard the ticked samples; a discard asks first, then can be undone."""
+    request.state.ui_back = "/ui/queue?" + back.lstrip("?")  # for the error page
     chosen = list(dict.fromkeys(ids))
     if action == "discard" and confirm != "yes":
         if not chosen:
@@ -730,11 +731,12 @@ ErrorHandler = Callable[[Request, Any], Response | Awaitable[Response]]
 
 
 def _back_link(request: Request) -> str:
-    """Where the error page's "back" goes: the referring UI page, else the queue."""
-    referer = urlsplit(request.headers.get("referer", ""))
-    if referer.netloc != request.url.netloc or not referer.path.startswith("/ui/"):
-        return "/ui/queue"
-    return _safe_next(referer.path + (f"?{referer.query}" if referer.query else ""))
+    """Where the error page's "back" goes without script: a form's own page, else the queue.
+
+    (The page's script goes back in the history instead; no Referer reaches us.)
+    """
+    back = getattr(request.state, "ui_back", None)
+    return back if isinstance(back, str) else "/ui/queue"
 
 
 def _page_errors(previous: ErrorHandler) -> Callable[[Request, Any], Awaitable[Response]]:

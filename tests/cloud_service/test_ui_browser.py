@@ -7,6 +7,8 @@ folder); with EDGELOOP_UPDATE_SCREENSHOTS=1 they are also copied to docs/screens
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import shutil
@@ -325,3 +327,143 @@ def test_schedule_run_and_watch_a_job(browser: Any, site: Site) -> None:
         assert jobs.get_job(session=session, job_id=job_id).cancel_requested
     driver.get(f"{site.url}/ui/jobs")
     shot(driver, site, "jobs")
+
+
+def _downloaded(site: Site, pattern: str) -> Path:
+    downloads = site.artifacts / "downloads"
+    found = wait_for(
+        lambda: [p for p in downloads.glob(pattern) if not p.name.endswith(".crdownload")],
+        what=f"the {pattern} download",
+    )
+    return Path(found[0])
+
+
+def _clear_downloads(site: Site) -> None:
+    for old in (site.artifacts / "downloads").glob("*"):
+        old.unlink()
+
+
+def test_agents_page_with_idle_and_stopped_agents(browser: Any, site: Site) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from selenium.webdriver.common.by import By
+
+    from shared.messages import AgentStatus
+
+    now = datetime.now(UTC)
+    with site.state.sessions.begin() as session:
+        for agent, state, sent_at in [
+            ("cam-stopped", "offline", now),  # a last will: no figures at all
+            ("cam-idle", "online", now - timedelta(minutes=30)),  # heartbeats stopped
+        ]:
+            status = AgentStatus(fleet="fleet-a", agent=agent, state=state, sent_at=sent_at)
+            crud.record_agent_status(session=session, status=status)
+    driver = browser
+    sign_in(driver, site, "ada")
+    driver.get(f"{site.url}/ui/agents")
+    table = wait_for(lambda: driver.find_elements(By.ID, "agents"), what="the agents table")[0]
+    rows = {
+        row.find_element(By.TAG_NAME, "a").text: row.text
+        for row in table.find_elements(By.CSS_SELECTOR, "tbody tr")
+    }
+    assert "offline" in rows["cam-stopped"] and "stale" in rows["cam-idle"]
+    assert "online" in rows["cam-1"]
+    shot(driver, site, "agents-idle-stopped")
+
+
+def test_class_names_in_the_review_page_and_filters(browser: Any, site: Site) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    from cloud_service.ui.seed import CLASSES
+
+    driver = browser
+    sign_in(driver, site, "rev")
+    field = driver.find_element(By.ID, "edge-class")
+    field.send_keys("dog", Keys.ENTER)  # a class name, not its index
+    wait_for(lambda: "edge_class=dog" in driver.current_url, what="the filtered queue")
+    rows = driver.find_elements(By.CSS_SELECTOR, "tr.row")
+    assert rows and all(r.find_elements(By.TAG_NAME, "td")[2].text.startswith("dog") for r in rows)
+    rows[0].find_element(By.CSS_SELECTOR, "a").click()
+    wait_for(lambda: shown(driver) not in ("", "end"), what="the review page")
+    buttons = [b.text for b in driver.find_elements(By.CSS_SELECTOR, "#choices button")]
+    assert buttons == [f"{i}{name}" for i, name in enumerate(CLASSES)]  # the key, then the name
+    assert driver.find_element(By.ID, "edge-summary").text.startswith("dog ")
+    bars = driver.find_elements(By.CSS_SELECTOR, "#edge-bars .name")
+    assert [b.text for b in bars] == buttons
+    shot(driver, site, "review-class-names")
+
+
+def test_an_invalid_filter_shows_the_error_page(browser: Any, site: Site) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    driver = browser
+    sign_in(driver, site, "rev")
+    driver.get(f"{site.url}/ui/queue?agent=cam-3")
+    driver.find_element(By.ID, "edge-class").send_keys("unicorn", Keys.ENTER)
+    message = wait_for(lambda: driver.find_elements(By.ID, "error-message"), what="the error page")[
+        0
+    ].text
+    assert "'unicorn' is neither a class name nor a class index" in message
+    assert "known classes: person, bicycle" in message
+    assert "{" not in driver.find_element(By.TAG_NAME, "body").text  # a page, not JSON
+    shot(driver, site, "error-invalid-filter")
+    driver.find_element(By.ID, "error-back").click()
+    wait_for(lambda: driver.current_url.endswith("/ui/queue?agent=cam-3"), what="back")
+
+
+def test_bulk_discard_is_confirmed_and_undone(browser: Any, site: Site) -> None:
+    from selenium.webdriver.common.by import By
+
+    driver = browser
+    sign_in(driver, site, "rev")
+    driver.get(f"{site.url}/ui/queue?status=flagged&agent=cam-4")
+    rows = driver.find_elements(By.CSS_SELECTOR, "tr.row")[:3]
+    ids = [row.get_attribute("data-id") for row in rows]
+    assert len(ids) == 3
+    for row in rows:
+        row.find_element(By.CSS_SELECTOR, "input.pick").click()
+    driver.find_element(By.ID, "bulk-discard").click()
+    title = wait_for(lambda: driver.find_elements(By.TAG_NAME, "h1"), what="the question")[0]
+    assert title.text == "Discard 3 samples?"
+    assert all(sample_state(site, i)[0] == "flagged" for i in ids)  # asked, nothing done
+    shot(driver, site, "bulk-discard-confirm")
+    driver.find_element(By.ID, "confirm-discard-button").click()
+    notice = wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, ".notice"), what="notice")
+    assert "discard: 3 done" in notice[0].text and "agent=cam-4" in driver.current_url
+    assert all(sample_state(site, i)[0] == "discarded" for i in ids)
+    shot(driver, site, "bulk-discard-undo")
+    driver.find_element(By.ID, "undo-bulk-button").click()
+    wait_for(lambda: "undo: 3 samples restored" in driver.page_source, what="the undo notice")
+    assert all(sample_state(site, i) == ("flagged", []) for i in ids)
+    assert not driver.find_elements(By.ID, "undo-bulk-button")  # one undo per discard
+
+
+def test_export_follows_the_status_filter(browser: Any, site: Site) -> None:
+    from pycocotools.coco import COCO
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    driver = browser
+    sign_in(driver, site, "rev")
+    Select(driver.find_element(By.NAME, "status")).select_by_visible_text("verified")
+    Select(driver.find_element(By.NAME, "agent")).select_by_visible_text("cam-1")
+    driver.find_element(By.ID, "apply-filters").click()
+    wait_for(lambda: "status=verified" in driver.current_url, what="the filtered queue")
+    shown_ids = {
+        r.get_attribute("data-id") for r in driver.find_elements(By.CSS_SELECTOR, "tr.row")
+    }
+    _clear_downloads(site)
+    driver.find_element(By.ID, "export-csv").click()
+    rows = list(csv.DictReader(io.StringIO(_downloaded(site, "*.csv").read_text())))
+    assert {r["status"] for r in rows} == {"verified"} and {r["agent_id"] for r in rows} == {
+        "cam-1"
+    }
+    assert {r["sample_id"] for r in rows} >= shown_ids
+    _clear_downloads(site)
+    driver.find_element(By.ID, "export-coco").click()
+    coco = COCO(str(_downloaded(site, "*.json")))
+    assert {img["sample_id"] for img in coco.loadImgs(coco.getImgIds())} == {
+        r["sample_id"] for r in rows
+    }

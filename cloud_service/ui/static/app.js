@@ -267,5 +267,12 @@ var EdgeLoop = (function () {
     poll();
   }
 
+  /* --- every page: "Back" links go back in the history where there is one --- */
+  Array.prototype.forEach.call(document.querySelectorAll("a[data-back=history]"), function (link) {
+    link.addEventListener("click", function (event) {
+      if (window.history.length > 1) { event.preventDefault(); window.history.back(); }
+    });
+  });
+
   return { api: api, jobPage: jobPage, queuePage: queuePage, reviewPage: reviewPage };
 })();
