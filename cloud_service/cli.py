@@ -35,17 +35,17 @@ app.add_typer(users_app, name="users")
 HostOption = typer.Option(None, "--host", help="Address to listen on (settings: http_host).")
 
 
+def _quiet_migrations() -> None:
+    """Alembic's INFO lines (plugins set up, the DDL mode) say nothing an operator needs."""
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
 def _migrate(url: str) -> None:
-    """Bring the schema up to date without Alembic's INFO lines on the terminal."""
+    """Bring the schema up to date, quietly (a command's output is its answer)."""
     from cloud_service.db.session import upgrade_database
 
-    alembic_log = logging.getLogger("alembic")
-    level = alembic_log.level
-    alembic_log.setLevel(logging.WARNING)
-    try:
-        upgrade_database(url)
-    finally:
-        alembic_log.setLevel(level)
+    _quiet_migrations()
+    upgrade_database(url)
 
 
 def _serve(
@@ -59,6 +59,7 @@ def _serve(
     from cloud_service import service
 
     settings = load_settings(CloudSettings, config, **overrides)
+    _quiet_migrations()
     default_port = settings.http_port + (1 if which == "verifier" else 0)
     host, port = host or settings.http_host, default_port if port is None else port
     try:

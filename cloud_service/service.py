@@ -107,6 +107,7 @@ def _distill_process(settings: CloudSettings) -> None:
     from distill.worker import serve_worker
 
     configure_logging(settings.log_level)
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # the parent migrated already
     serve_worker(settings)
 
 

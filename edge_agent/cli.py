@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import logging
 import sqlite3
 import tomllib
 from pathlib import Path
@@ -99,6 +100,7 @@ def status(
 
     overrides: dict[str, Any] = {} if port is None else {"http_port": port}
     settings = load_settings(AgentSettings, _agent_config(config), **overrides)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # its request lines are not status
     url = f"http://{settings.http_host}:{settings.http_port}/v1/status"
     data: dict[str, Any]
     try:
