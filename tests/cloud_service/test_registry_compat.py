@@ -19,9 +19,11 @@ from onnx import TensorProto, helper, numpy_helper
 from cloud_service.api import create_app
 from cloud_service.db import crud
 from distill.model_import import ImportSpec, import_onnx
+from edge_agent.agent import Agent
 from edge_agent.engine import EngineOptions, OrtEngine
-from edge_agent.testing import make_tiny_student
-from shared.messages import AgentStatus, ModelStatus
+from edge_agent.settings import AgentSettings
+from edge_agent.testing import MemoryPublisher, make_tiny_student
+from shared.messages import AgentStatus, ModelStatus, decode_message
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # see test_api.py: Starlette's TestClient warning
@@ -265,3 +267,31 @@ def test_models_page_shows_per_agent_install_state_never_serving_when_refused(
     html = client.get("/ui/models").text
     row = html[html.index('id="version-user-model-5"') :].split("</tr>")[0]
     assert ">partly refused<" in row and "1 installed · 2 refused" in row
+
+
+def test_an_agents_own_heartbeat_is_what_the_registry_judges_by(
+    client: TestClient, tmp_path: Path
+) -> None:
+    student = make_tiny_student(tmp_path / "student.onnx", size=32, name="user-model")
+    settings = AgentSettings(
+        data_dir=tmp_path / "agent",
+        model_path=student,
+        fleet="plant-3",
+        agent_id="cam-9",
+        intra_op_threads=1,
+        warmup_runs=1,
+        heartbeat_s=3600.0,
+    )
+    publisher = MemoryPublisher()
+    with Agent(settings, publisher=publisher, start_sources=False) as agent:
+        agent._publish_status()  # the heartbeat, now rather than after heartbeat_s
+        payload = [m[1] for m in publisher.messages if m[0] == agent.topic_status][-1]
+    status = decode_message(payload, AgentStatus)
+    assert status.model_name == "user-model" and status.input_hw == [32, 32]
+    assert status.runtime_version and status.max_opset and status.max_opset >= 17
+    state = client.app.state.edgeloop  # type: ignore[attr-defined]
+    with state.sessions.begin() as session:
+        crud.record_agent_status(session=session, status=status)
+    refused = _upload(client, _imported(tmp_path, 24, version="9"), fleet="plant-3")
+    assert refused.status_code == 422 and "agent cam-9 (fleet plant-3)" in refused.json()["detail"]
+    assert _upload(client, _imported(tmp_path, 32, version="9")).status_code == 201
