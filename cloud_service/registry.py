@@ -679,7 +679,7 @@ class InstallSummary:
     """Per-agent install state of a version, and the state to show for it."""
 
     installs: list[AgentInstall]
-    state: str  # the version's state, never "serving" while agents refuse it
+    state: str  # the registry's state, but "refused" / "partly refused" while agents refuse it
 
     def count(self, state: str) -> int:
         return sum(1 for item in self.installs if item.state == state)
@@ -760,8 +760,6 @@ def install_summary(*, session: Session, record: ModelVersion) -> InstallSummary
         shown = "refused"
     elif refused:
         shown = "partly refused"
-    elif record.state == "serving" and not installed:
-        shown = "announced"
     else:
         shown = record.state
     return InstallSummary(installs=installs, state=shown)

@@ -233,13 +233,16 @@ def test_models_page_shows_per_agent_install_state_never_serving_when_refused(
     )
     assert promoted.status_code == 200, promoted.text
     detail = client.get("/v1/models/user-model/5", headers=ADMIN).json()
-    assert detail["state"] == "serving" and detail["install_state"] == "announced"
+    assert detail["state"] == "serving"
+    assert detail["agents"] == {"installed": 0, "refused": 0, "pending": 3}
     assert {i["state"] for i in detail["installs"]} == {"pending"}
 
     _model_status(client, "cam-1", "5", "rejected", "incompatible_input: model takes ...")
     _model_status(client, "cam-2", "5", "rejected", "golden_mismatch: golden[0] differs")
     detail = client.get("/v1/models/user-model/5", headers=ADMIN).json()
-    assert detail["install_state"] == "refused"
+    assert detail["state"] == "refused"
+    listed = client.get("/v1/models", headers=ADMIN).json()
+    assert [(v["state"], v["agents"]["refused"]) for v in listed] == [("refused", 2)]
     states = {i["agent"]: (i["state"], i["reason"]) for i in detail["installs"]}
     assert states == {
         "cam-1": ("refused", "incompatible_input: model takes ..."),

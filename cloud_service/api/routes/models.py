@@ -56,6 +56,26 @@ class ModelVersionOut(BaseModel):
     source: str | None
     key_id: str
     created_at: datetime
+    agents: dict[str, int] = Field(
+        default_factory=dict,
+        description="how many agents installed it, refused it, or have yet to (pending)",
+    )
+
+
+def _version_out(
+    session: Any, record: ModelVersion
+) -> tuple[ModelVersionOut, registry.InstallSummary]:
+    """The version with its shown state ('refused' / 'partly refused' while agents refuse
+    it, never 'serving') and its agents' counts."""
+    summary = registry.install_summary(session=session, record=record)
+    out = ModelVersionOut.model_validate(record)
+    out.state = summary.state
+    out.agents = {
+        "installed": summary.count("installed"),
+        "refused": summary.count("refused"),
+        "pending": summary.count("pending") + summary.count("installing"),
+    }
+    return out, summary
 
 
 class AgentInstallOut(BaseModel):
@@ -70,10 +90,6 @@ class ModelDetail(ModelVersionOut):
     manifest: dict[str, Any]
     serving_fleets: list[str]
     agent_status: list[dict[str, Any]]
-    install_state: str = Field(
-        description="the state to show: 'refused' / 'partly refused' while agents refuse it,"
-        " 'announced' until one installs it"
-    )
     installs: list[AgentInstallOut]
 
 
@@ -185,16 +201,15 @@ def _detail(session: Any, record: ModelVersion) -> ModelDetail:
         .order_by(ModelStatusEvent.id.desc())
         .limit(200)
     ).all()
-    summary = registry.install_summary(session=session, record=record)
+    version, summary = _version_out(session, record)
     return ModelDetail(
-        **ModelVersionOut.model_validate(record).model_dump(),
+        **version.model_dump(),
         manifest=record.manifest,
         serving_fleets=list(fleets),
         agent_status=[
             {"agent": e.agent_id, "state": e.state, "reason": e.reason, "at": e.at.isoformat()}
             for e in events
         ],
-        install_state=summary.state,
         installs=[
             AgentInstallOut(
                 agent=i.agent_id, fleet=i.fleet, state=i.state, reason=i.reason, at=i.at
@@ -208,10 +223,7 @@ def _detail(session: Any, record: ModelVersion) -> ModelDetail:
 def list_models(
     session: SessionDep, _admin: AdminDep, name: Annotated[str | None, Query()] = None
 ) -> list[ModelVersionOut]:
-    return [
-        ModelVersionOut.model_validate(v)
-        for v in registry.list_versions(session=session, name=name)
-    ]
+    return [_version_out(session, v)[0] for v in registry.list_versions(session=session, name=name)]
 
 
 @router.post("/models", status_code=status.HTTP_201_CREATED)
