@@ -1,75 +1,145 @@
-"""The jobs pages' seam onto distillation jobs and schedules.
+"""The review UI's distillation pages: jobs (run now, watch, cancel) and schedules
+(create, enable, disable, delete), admin only, under /ui.
 
-Jobs go through ``distill.jobs`` (enqueue, cancel, get_job, list_jobs, read_logs)
-and schedules through ``distill.schedules`` (create_schedule, list_schedules): the
-distillation engineer's functions; the pages call only this module.
+Thin routes over ``distill.jobs`` and ``distill.schedules``. A job's page shows its
+metrics as tables (``metric_tables``) and its log as the worker wrote it: one reason
+line per failure, never a traceback (that goes to the worker's own log).
 """
 
 from __future__ import annotations
 
-import re
-from typing import Any
+import json
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import quote
 
+from fastapi import APIRouter, Form, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.templating import Jinja2Templates
 from sqlalchemy.orm import Session
 
-__all__ = [
-    "cancel_job",
-    "create_schedule",
-    "get_job",
-    "job_view",
-    "list_jobs",
-    "list_schedules",
-    "read_logs",
-    "run_now",
-]
+from cloud_service.api.deps import SessionDep
+from cloud_service.ui.deps import AdminUserDep, CsrfDep, UiUser
+from distill import jobs, schedules
+from shared.errors import ContractError, EdgeLoopError
 
-_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
-_CRON_FIELD = re.compile(r"^[0-9*/,\-]+$")
+__all__ = ["job_view", "metric_tables", "router"]
 
+router = APIRouter(prefix="/ui", include_in_schema=False)
+templates = Jinja2Templates(directory=str(Path(__file__).resolve().parent / "templates"))
 
-def run_now(
-    *, session: Session, params: dict[str, Any], reason: str, schedule_id: int | None = None
-) -> Any:
-    from distill import jobs
-
-    return jobs.enqueue(session=session, params=params, reason=reason, schedule_id=schedule_id)
+_FORM_TEXT = Annotated[str, Form(max_length=8)]
+_OTHER_PARAMS = Annotated[str, Form(max_length=4000)]
 
 
-def cancel_job(*, session: Session, job_id: int) -> Any:
-    from distill import jobs
-
-    return jobs.cancel(session=session, job_id=job_id)
-
-
-def get_job(*, session: Session, job_id: int) -> Any:
-    from distill import jobs
-
-    return jobs.get_job(session=session, job_id=job_id)
+def _page(request: Request, name: str, user: UiUser, **context: Any) -> HTMLResponse:
+    context.update(
+        user=user, nav=name.removesuffix(".html"), notice=request.query_params.get("notice")
+    )
+    return templates.TemplateResponse(request, name, context)
 
 
-def list_jobs(*, session: Session, limit: int = 50) -> list[Any]:
-    from distill import jobs
-
-    return list(jobs.list_jobs(session=session, limit=limit))
+def _back(notice: str, to: str = "/ui/jobs") -> RedirectResponse:
+    return RedirectResponse(f"{to}?notice={quote(notice)}", status_code=303)
 
 
-def read_logs(*, session: Session, job_id: int, after_id: int = 0) -> list[Any]:
-    from distill import jobs
+def form_params(
+    *, session: Session, fleet: str, epochs: str, min_samples: str, quick: str, other: str
+) -> dict[str, Any]:
+    """A job's parameters from the form: the fleet, the common fields, and ``KEY=VALUE``
+    lines (values read as JSON when they parse, else as text); checked as the API does."""
+    params: dict[str, Any] = {}
+    for line in other.splitlines():
+        if not line.strip():
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip():
+            raise ContractError(f"bad parameter line {line.strip()!r}: expected KEY=VALUE")
+        try:
+            params[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            params[key.strip()] = value.strip()
+    for key, text in (("epochs", epochs), ("min_samples", min_samples)):
+        if text.strip():
+            params[key] = int(text) if text.strip().isdigit() else text.strip()
+    if quick:
+        params["quick"] = True
+    params["fleet"] = jobs.resolve_fleet(session=session, fleet=fleet.strip() or None)
+    return jobs.validate_params(params)
 
-    return list(jobs.read_logs(session=session, job_id=job_id, after_id=after_id, limit=500))
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return "—" if value is None else ("yes" if value else "no")
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_fmt(v) for v in value) if len(value) <= 12 else f"{len(value)} values"
+    return str(value)
 
 
-def job_view(job: Any, logs: list[Any]) -> dict[str, Any]:
+def _rows(data: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            rows += _rows(value, f"{name}.")
+        else:
+            rows.append((name, _fmt(value)))
+    return rows
+
+
+def metric_tables(metrics: dict[str, Any]) -> list[dict[str, Any]]:
+    """A job's metrics as tables the page draws: the evaluation as models by data sets
+    (top-1, %), the gate, then each other section as name/value rows."""
+    tables: list[dict[str, Any]] = []
+    evaluation = metrics.get("evaluation")
+    if isinstance(evaluation, dict) and evaluation:
+        data_sets = list(next(iter(evaluation.values())))
+        tables.append(
+            {
+                "title": "Evaluation (top-1, %)",
+                "columns": ["model", *data_sets],
+                "rows": [
+                    [model, *(f"{100 * float(by.get(d, 0.0)):.1f}" for d in data_sets)]
+                    for model, by in evaluation.items()
+                ],
+            }
+        )
+    scalars: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if key in ("evaluation", "history", "params"):
+            continue
+        if isinstance(value, dict):
+            rows = _rows(value)
+            if rows:
+                title = key.replace("_", " ").capitalize()
+                tables.append({"title": title, "columns": ["name", "value"], "rows": rows})
+        else:
+            scalars[key] = value
+    history = metrics.get("history")
+    if isinstance(history, list) and history:
+        scalars["epochs run"] = len(history)
+    if scalars:
+        rows = [list(r) for r in _rows(scalars)]
+        tables.insert(0, {"title": "Summary", "columns": ["name", "value"], "rows": rows})
+    return tables
+
+
+def job_view(job: Any, logs: list[Any], *, waiting: str | None = None) -> dict[str, Any]:
     """A job and its new log lines as the job page's script draws them."""
     return {
         "id": job.id,
         "state": job.state,
+        "fleet": (job.params or {}).get("fleet"),
         "phase": job.phase,
         "percent": round(float(job.percent or 0.0), 1),
         "eta_s": job.eta_s,
         "cancel_requested": job.cancel_requested,
         "metrics": job.metrics or {},
+        "metric_tables": metric_tables(job.metrics or {}),
         "error": job.error,
+        "waiting": waiting if job.state == "queued" else None,
         "result_version": job.result_version,
         "logs": [
             {"id": line.id, "at": line.at.strftime("%H:%M:%S"), "level": line.level,
@@ -79,18 +149,122 @@ def job_view(job: Any, logs: list[Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def create_schedule(
-    *, session: Session, name: str, kind: str, expression: str, params: dict[str, Any]
-) -> Any:
-    """Add a schedule: ``interval`` (seconds), ``cron`` (5 fields) or ``trigger``."""
-    from distill import schedules
+def _view(session: Session, job_id: int, after: int = 0) -> dict[str, Any]:
+    job = jobs.get_job(session=session, job_id=job_id)
+    logs = jobs.read_logs(session=session, job_id=job_id, after_id=after, limit=500)
+    return job_view(job, logs, waiting=jobs.queue_status(session=session).warning)
 
-    return schedules.create_schedule(
-        session=session, name=name, kind=kind, expression=expression, params=params
+
+@router.get("/jobs")
+def jobs_page(request: Request, session: SessionDep, user: AdminUserDep) -> HTMLResponse:
+    return _page(
+        request,
+        "jobs.html",
+        user,
+        jobs=jobs.list_jobs(session=session),
+        schedules=schedules.list_schedules(session=session),
+        fleets=jobs.known_fleets(session=session),
+        params=jobs.job_parameter_docs(),
+        queue=jobs.queue_status(session=session),
     )
 
 
-def list_schedules(*, session: Session) -> list[Any]:
-    from distill import schedules
+@router.post("/jobs")
+def run_job(
+    session: SessionDep,
+    user: AdminUserDep,
+    _csrf: CsrfDep,
+    fleet: Annotated[str, Form(max_length=64)] = "",
+    epochs: _FORM_TEXT = "",
+    min_samples: _FORM_TEXT = "",
+    quick: _FORM_TEXT = "",
+    other: _OTHER_PARAMS = "",
+) -> Response:
+    try:
+        params = form_params(
+            session=session,
+            fleet=fleet,
+            epochs=epochs,
+            min_samples=min_samples,
+            quick=quick,
+            other=other,
+        )
+        job = jobs.enqueue(session=session, params=params, reason=f"run now by {user.username}")
+    except EdgeLoopError as exc:
+        return _back(exc.message)
+    return RedirectResponse(f"/ui/jobs/{job.id}", status_code=303)
 
-    return list(schedules.list_schedules(session=session))
+
+@router.post("/schedules")
+def add_schedule(
+    session: SessionDep,
+    _admin: AdminUserDep,
+    _csrf: CsrfDep,
+    name: Annotated[str, Form(max_length=64)],
+    kind: Annotated[str, Form(max_length=16)],
+    expression: Annotated[str, Form(max_length=256)],
+    fleet: Annotated[str, Form(max_length=64)] = "",
+    epochs: _FORM_TEXT = "",
+    min_samples: _FORM_TEXT = "",
+    quick: _FORM_TEXT = "",
+    other: _OTHER_PARAMS = "",
+) -> Response:
+    try:
+        params = form_params(
+            session=session,
+            fleet=fleet,
+            epochs=epochs,
+            min_samples=min_samples,
+            quick=quick,
+            other=other,
+        )
+        schedules.create_schedule(
+            session=session, name=name, kind=kind, expression=expression, params=params
+        )
+    except EdgeLoopError as exc:
+        return _back(exc.message)
+    return _back(f"schedule {name} created for fleet {params['fleet']}")
+
+
+@router.post("/schedules/{schedule_id}/{action}")
+def change_schedule(
+    schedule_id: int, action: str, session: SessionDep, _admin: AdminUserDep, _csrf: CsrfDep
+) -> Response:
+    """Enable, disable or delete a schedule (the buttons in its row)."""
+    try:
+        schedule = schedules.get_schedule(session=session, schedule_id=schedule_id)
+        name = schedule.name
+        if action in ("enable", "disable"):
+            schedules.set_enabled(
+                session=session, schedule_id=schedule_id, enabled=action == "enable"
+            )
+        elif action == "delete":
+            schedules.delete_schedule(session=session, schedule_id=schedule_id)
+        else:
+            raise ContractError(f"unknown schedule action {action!r}: enable, disable, delete")
+    except EdgeLoopError as exc:
+        return _back(exc.message)
+    return _back(f"schedule {name} {action}d")
+
+
+@router.get("/jobs/{job_id}")
+def job_page(
+    request: Request, job_id: int, session: SessionDep, user: AdminUserDep
+) -> HTMLResponse:
+    return _page(request, "job.html", user, job=_view(session, job_id))
+
+
+@router.get("/api/jobs/{job_id}")
+def job_json(
+    job_id: int, session: SessionDep, _admin: AdminUserDep, after: int = 0
+) -> dict[str, Any]:
+    """The job's state and the log lines after ``after`` (the page polls this)."""
+    return _view(session, job_id, after)
+
+
+@router.post("/api/jobs/{job_id}/cancel")
+def cancel_job(
+    job_id: int, session: SessionDep, _admin: AdminUserDep, _csrf: CsrfDep
+) -> dict[str, Any]:
+    job = jobs.cancel(session=session, job_id=job_id)
+    return job_view(job, [])

@@ -566,101 +566,7 @@ def rollout_action(
     return RedirectResponse(f"/ui/models?notice={quote(notice)}", status_code=303)
 
 
-# --- distillation jobs and schedules (admin) ------------------------------------------
-
-
-def _job_params(epochs: str, min_samples: str, quick: str) -> dict[str, Any]:
-    params: dict[str, Any] = {}
-    if epochs.strip():
-        params["epochs"] = int(epochs) if epochs.strip().isdigit() else epochs
-    if min_samples.strip():
-        params["min_samples"] = int(min_samples) if min_samples.strip().isdigit() else min_samples
-    if quick:
-        params["quick"] = True
-    return params
-
-
-@router.get("/jobs")
-def jobs_page(request: Request, session: SessionDep, user: AdminUserDep) -> HTMLResponse:
-    return _page(
-        request,
-        "jobs.html",
-        user,
-        jobs=ui_jobs.list_jobs(session=session),
-        schedules=ui_jobs.list_schedules(session=session),
-    )
-
-
-@router.post("/jobs")
-def run_job(
-    session: SessionDep,
-    user: AdminUserDep,
-    _csrf: CsrfDep,
-    epochs: Annotated[str, Form(max_length=8)] = "",
-    min_samples: Annotated[str, Form(max_length=8)] = "",
-    quick: Annotated[str, Form(max_length=8)] = "",
-) -> Response:
-    try:
-        job = ui_jobs.run_now(
-            session=session,
-            params=_job_params(epochs, min_samples, quick),
-            reason=f"run now by {user.username}",
-        )
-    except EdgeLoopError as exc:
-        return RedirectResponse(f"/ui/jobs?notice={quote(exc.message)}", status_code=303)
-    return RedirectResponse(f"/ui/jobs/{job.id}", status_code=303)
-
-
-@router.post("/schedules")
-def add_schedule(
-    session: SessionDep,
-    _admin: AdminUserDep,
-    _csrf: CsrfDep,
-    name: Annotated[str, Form(max_length=64)],
-    kind: Annotated[str, Form(max_length=16)],
-    expression: Annotated[str, Form(max_length=256)],
-    epochs: Annotated[str, Form(max_length=8)] = "",
-    min_samples: Annotated[str, Form(max_length=8)] = "",
-    quick: Annotated[str, Form(max_length=8)] = "",
-) -> Response:
-    try:
-        ui_jobs.create_schedule(
-            session=session,
-            name=name,
-            kind=kind,
-            expression=expression,
-            params=_job_params(epochs, min_samples, quick),
-        )
-        notice = f"schedule {name} created"
-    except EdgeLoopError as exc:
-        notice = exc.message
-    return RedirectResponse(f"/ui/jobs?notice={quote(notice)}", status_code=303)
-
-
-@router.get("/jobs/{job_id}")
-def job_page(
-    request: Request, job_id: int, session: SessionDep, user: AdminUserDep
-) -> HTMLResponse:
-    job = ui_jobs.get_job(session=session, job_id=job_id)
-    view = ui_jobs.job_view(job, ui_jobs.read_logs(session=session, job_id=job_id))
-    return _page(request, "job.html", user, job=view)
-
-
-@router.get("/api/jobs/{job_id}")
-def job_json(
-    job_id: int, session: SessionDep, _admin: AdminUserDep, after: int = 0
-) -> dict[str, Any]:
-    """The job's state and the log lines after ``after`` (the page polls this)."""
-    job = ui_jobs.get_job(session=session, job_id=job_id)
-    return ui_jobs.job_view(job, ui_jobs.read_logs(session=session, job_id=job_id, after_id=after))
-
-
-@router.post("/api/jobs/{job_id}/cancel")
-def cancel_job(
-    job_id: int, session: SessionDep, _admin: AdminUserDep, _csrf: CsrfDep
-) -> dict[str, Any]:
-    job = ui_jobs.cancel_job(session=session, job_id=job_id)
-    return ui_jobs.job_view(job, [])
+# --- distillation jobs and schedules: cloud_service/ui/jobs.py ---------------------
 
 
 # --- users (admin) ---------------------------------------------------------------
@@ -773,6 +679,7 @@ def mount_ui(app: FastAPI) -> None:
     Call it after the app's own error handlers are set: a UI page's error wraps them.
     """
     app.include_router(router)
+    app.include_router(ui_jobs.router)
     app.mount("/ui/static", StaticFiles(directory=str(HERE / "static")), name="ui-static")
     app.add_exception_handler(LoginRequired, _login_required)
     app.add_exception_handler(NotAllowed, _not_allowed)

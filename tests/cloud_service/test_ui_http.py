@@ -291,16 +291,22 @@ def test_jobs_pages_are_admin_only_and_need_csrf(ui: Ui) -> None:
     login(c, "ada")
     token = csrf_of(c)
     assert c.post("/ui/jobs", data={"epochs": "2"}).status_code == 403  # no CSRF token
-    made = c.post("/ui/jobs", data={"csrf_token": token, "epochs": "2"})
+    made = c.post("/ui/jobs", data={"csrf_token": token, "epochs": "2", "fleet": "fleet-a"})
     assert made.status_code == 303 and made.headers["location"].startswith("/ui/jobs/")
     job_id = int(made.headers["location"].rsplit("/", 1)[1])
     view = c.get(f"/ui/api/jobs/{job_id}").json()
     assert view["state"] == "queued" and view["logs"][0]["message"].startswith("queued")
-    bad = c.post("/ui/jobs", data={"csrf_token": token, "epochs": "9999"})
+    bad = c.post("/ui/jobs", data={"csrf_token": token, "epochs": "9999", "fleet": "fleet-a"})
     assert "epochs" in unquote(bad.headers["location"])
     sched = c.post(
         "/ui/schedules",
-        data={"csrf_token": token, "name": "nightly", "kind": "cron", "expression": "0 3 * * *"},
+        data={
+            "csrf_token": token,
+            "name": "nightly",
+            "fleet": "fleet-a",
+            "kind": "cron",
+            "expression": "0 3 * * *",
+        },
     )
     assert "created" in unquote(sched.headers["location"])
     assert "nightly" in c.get("/ui/jobs").text

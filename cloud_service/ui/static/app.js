@@ -227,6 +227,35 @@ var EdgeLoop = (function () {
   }
 
   /* --- job page: live progress and logs (polls once a second) ------------ */
+  function drawMetrics(tables) {
+    // The job's metrics as tables (cloud_service/ui/jobs.py: metric_tables), never raw JSON.
+    var box = document.getElementById("job-metrics");
+    box.replaceChildren();
+    if (!tables.length) {
+      var none = document.createElement("p");
+      none.className = "empty";
+      none.textContent = "No metrics yet.";
+      box.appendChild(none);
+    }
+    tables.forEach(function (t) {
+      var table = document.createElement("table");
+      table.className = "grid metrics";
+      table.createCaption().textContent = t.title;
+      var head = table.createTHead().insertRow();
+      t.columns.forEach(function (c) {
+        var th = document.createElement("th");
+        th.textContent = c;
+        head.appendChild(th);
+      });
+      var body = table.createTBody();
+      t.rows.forEach(function (r) {
+        var row = body.insertRow();
+        r.forEach(function (v) { row.insertCell().textContent = v; });
+      });
+      box.appendChild(table);
+    });
+  }
+
   function jobPage() {
     var job = JSON.parse(document.getElementById("job-data").textContent);
     var last = job.logs.length ? job.logs[job.logs.length - 1].id : 0;
@@ -240,7 +269,10 @@ var EdgeLoop = (function () {
       document.getElementById("job-phase").textContent = j.phase || "—";
       document.getElementById("job-eta").textContent = j.eta_s === null ? "—" : Math.round(j.eta_s);
       document.getElementById("job-result").textContent = j.result_version || "—";
-      document.getElementById("job-metrics").textContent = JSON.stringify(j.metrics);
+      if (j.metric_tables) drawMetrics(j.metric_tables);
+      var waiting = document.getElementById("job-waiting");
+      waiting.textContent = j.waiting || "";
+      waiting.hidden = !j.waiting;
       document.getElementById("job-error").textContent = j.error || "";
       document.getElementById("cancel-job").disabled = done.indexOf(j.state) >= 0 || j.cancel_requested;
       var log = document.getElementById("job-log");
