@@ -234,9 +234,17 @@ def _input_shape(model: onnx.ModelProto, spec: ImportSpec) -> tuple[int | None, 
             f"input {spec.input_name!r} is {actual}; --dtype says {spec.dtype}", "input_dtype"
         )
     dims = _dims(value)
+    shown = (
+        "["
+        + ", ".join(
+            str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?")
+            for d in value.type.tensor_type.shape.dim
+        )
+        + "]"
+    )
     if len(dims) != 4:
         raise _refuse(
-            f"input {spec.input_name!r} has rank {len(dims)} {dims}; an image classifier"
+            f"input {spec.input_name!r} has rank {len(dims)} {shown}; an image classifier"
             f" takes rank 4 ({spec.layout})",
             "input_rank",
         )
@@ -244,7 +252,7 @@ def _input_shape(model: onnx.ModelProto, spec: ImportSpec) -> tuple[int | None, 
     h, w, c = (rest[1], rest[2], rest[0]) if spec.layout == "NCHW" else tuple(rest)
     if c is not None and c != 3:
         raise _refuse(
-            f"input {spec.input_name!r} {dims} has {c} channels on the {spec.layout} channel"
+            f"input {spec.input_name!r} {shown} has {c} channels on the {spec.layout} channel"
             " axis; camera frames have 3 (is the layout right?)",
             "input_channels",
         )
@@ -258,7 +266,7 @@ def _input_shape(model: onnx.ModelProto, spec: ImportSpec) -> tuple[int | None, 
         h, w = spec.size
     if h is None or w is None:
         raise _refuse(
-            f"input {spec.input_name!r} {dims} has a dynamic height or width: give --size WxH",
+            f"input {spec.input_name!r} {shown} has a dynamic height or width: give --size WxH",
             "input_size",
         )
     if batch is not None and batch != 1:
