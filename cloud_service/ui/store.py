@@ -396,10 +396,13 @@ class ClassNames:
         return self._pairs
 
     def known(self) -> list[str]:
-        """Every class name the stored samples' models have (for the forms' suggestions)."""
+        """Every class name the registered models and the teacher have (form suggestions)."""
         names: dict[str, None] = {}
-        for _, _, labels in self._stored_models():
-            names.update(dict.fromkeys(labels))
+        for (manifest,) in self._session.execute(select(ModelVersion.manifest).limit(1000)):
+            labels = manifest.get("labels") if isinstance(manifest, dict) else None
+            if isinstance(labels, list) and _named([str(x) for x in labels]):
+                names.update(dict.fromkeys(str(x) for x in labels))
+        names.update(dict.fromkeys(self._fallback))
         return list(names)
 
     def condition(self, column: Any, text: str, *, what: str) -> Any:
