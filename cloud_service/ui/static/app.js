@@ -306,5 +306,11 @@ var EdgeLoop = (function () {
     });
   });
 
+  // A form with data-confirm asks before it submits (the page's policy allows no inline handlers).
+  document.addEventListener("submit", function (e) {
+    var message = e.target.dataset ? e.target.dataset.confirm : null;
+    if (message && !window.confirm(message)) e.preventDefault();
+  });
+
   return { api: api, jobPage: jobPage, queuePage: queuePage, reviewPage: reviewPage };
 })();
