@@ -298,7 +298,7 @@ def test_schedule_run_and_watch_a_job(browser: Any, site: Site) -> None:
     driver.find_element(By.ID, "create-schedule").click()
     wait_for(lambda: "schedule nightly created" in driver.page_source, what="the schedule")
     assert "nightly" in driver.find_element(By.ID, "schedules").text
-    driver.find_element(By.ID, "run-epochs").send_keys("3")
+    driver.find_element(By.CSS_SELECTOR, "#run-now input[name=epochs]").send_keys("3")
     driver.find_element(By.ID, "run-job").click()
     wait_for(lambda: "/ui/jobs/" in driver.current_url, what="the job page")
     job_id = int(driver.current_url.rsplit("/", 1)[1])
