@@ -479,6 +479,15 @@ def export(
 # --- agents, dashboard, models --------------------------------------------------
 
 
+def _ago(seconds: float) -> str:
+    """A duration as the agents page shows it: "14 s", "30 min", "5 h", "3 d"."""
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds // size:.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
 @router.get("/agents")
 def agents_page(request: Request, session: SessionDep, user: UserDep) -> HTMLResponse:
     agents, _ = crud.list_agents(session=session, limit=1000)
@@ -490,7 +499,8 @@ def agents_page(request: Request, session: SessionDep, user: UserDep) -> HTMLRes
         # A last will or an idle agent's status carries no figures: each key may be absent.
         telemetry = agent.telemetry or {}
         figures = {key: telemetry.get(key) for key in TELEMETRY_KEYS}
-        rows.append({"a": agent, "t": figures, "online": online, "age": age})
+        ago = _ago(age) if age is not None else ""
+        rows.append({"a": agent, "t": figures, "online": online, "age": age, "ago": ago})
     return _page(request, "agents.html", user, rows=rows)
 
 

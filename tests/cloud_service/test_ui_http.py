@@ -366,7 +366,7 @@ def test_agents_page_with_idle_and_stopped_agents(ui: Ui) -> None:
     }
     assert "offline" in rows["cam-stopped"] and "stale" in rows["cam-idle"]
     assert "online" in rows["cam-quiet"] and "CPUExecutionProvider" in rows["cam-quiet"]
-    assert "—" in rows["cam-stopped"]
+    assert "—" in rows["cam-stopped"] and "(30 min ago)" in rows["cam-idle"]
 
 
 def _seed_unregistered(ui: Ui, model_name: str, classes: int, count: int = 3) -> list[str]:
