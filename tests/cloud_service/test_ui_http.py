@@ -459,12 +459,13 @@ def test_invalid_filters_and_bad_bulk_actions_show_the_error_page(ui: Ui) -> Non
         assert found and reason in unquote(found.group(1)).replace("&#39;", "'"), (path, page.text)
         assert 'id="error-back"' in page.text
     first = [ui.seeded["flagged"][0]]
-    for data, reason in [
+    bulk_cases: list[tuple[dict[str, Any], str]] = [
         ({"action": "discard", "confirm": "yes"}, "no samples selected"),
         ({"action": "explode", "ids": first}, "is not confirm, relabel or discard"),
         ({"action": "relabel", "ids": first}, "relabel needs a class"),
         ({"action": "relabel", "label": "unicorn", "ids": first}, "'unicorn' is not a class"),
-    ]:
+    ]
+    for data, reason in bulk_cases:
         form = {"csrf_token": token, "back": "agent=cam-1", **data}
         page = c.post("/ui/queue/bulk", data=form)
         assert page.status_code == 422 and page.headers["content-type"].startswith("text/html")
