@@ -43,7 +43,7 @@ class Ui:
 
 
 @pytest.fixture
-def ui(make_settings, database_url) -> Iterator[Ui]:
+def ui(make_settings: Any, database_url: str) -> Iterator[Ui]:
     settings = make_settings(database_url=database_url, rollout_tick_s=0)
     app = create_app(settings)
     with TestClient(app, follow_redirects=False) as client:
@@ -316,7 +316,7 @@ def test_jobs_pages_are_admin_only_and_need_csrf(ui: Ui) -> None:
     assert again.status_code == 409
 
 
-def test_users_cli(tmp_path, monkeypatch) -> None:
+def test_users_cli(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
     from cloud_service.cli import app
