@@ -98,6 +98,9 @@ _OPSET_RUNTIME = {
 # Golden inputs travel base64 inside the retained announcement: keep them under ~48 KB.
 _GOLDEN_BUDGET_BYTES = 36_000
 _MAX_GOLDEN = 3
+# What agents accept by default (AgentSettings.max_announcement_bytes): one golden frame
+# of a large input (a 512x512 model) would be over it, and every agent would refuse.
+_AGENT_ANNOUNCEMENT_LIMIT = 1 << 20
 
 
 def min_runtime_for_opset(opset: int) -> str:
@@ -440,6 +443,12 @@ def register_model(
         raise ManifestError(_refusal_message(manifest, refusals), reason=refusals[0].reason)
     announcement = sign_manifest(manifest, key)
     raw = encode_message(announcement)
+    if len(raw) > _AGENT_ANNOUNCEMENT_LIMIT:
+        raise ManifestError(
+            f"the announcement of {name} {version} is {len(raw)} bytes (its golden frame of"
+            f" input {manifest.input.shape}); agents accept at most {_AGENT_ANNOUNCEMENT_LIMIT}",
+            reason="too_large",
+        )
     blob_key = artifact_key(name, sha)
     blobs.put(blob_key, data)
     record = ModelVersion(

@@ -432,7 +432,8 @@ class TeacherModel:
         if inputs[0].type != "tensor(uint8)" or len(shape) != 4 or shape[3] != 3:
             raise ModelError(
                 f"teacher input {inputs[0].name} is {inputs[0].type} {shape}:"
-                " expected uint8 [N, H, W, 3]"
+                " expected uint8 [N, H, W, 3]; `edgeloop models import --role teacher` wraps"
+                " a float32 or NCHW model with its preprocessing"
             )
         out = next((o for o in outputs if o.name == "scores"), outputs[0])
         classes = out.shape[1] if len(out.shape) == 2 and isinstance(out.shape[1], int) else None

@@ -166,13 +166,15 @@ class OrtEngine:
         if "frames" not in inputs or "scores" not in outputs:
             raise ModelError(
                 f"{self.path} does not follow the student contract: expected input 'frames'"
-                f" and output 'scores', found inputs {sorted(inputs)} outputs {sorted(outputs)}"
+                f" and output 'scores', found inputs {sorted(inputs)} outputs {sorted(outputs)};"
+                " wrap a model of another contract with `edgeloop models import`"
             )
         shape = inputs["frames"].shape
         if inputs["frames"].type != "tensor(uint8)" or len(shape) != 4 or shape[3] != 3:
             raise ModelError(
                 f"{self.path}: input 'frames' must be uint8 [batch, H, W, 3], got"
-                f" {inputs['frames'].type} {shape}"
+                f" {inputs['frames'].type} {shape}; `edgeloop models import` wraps a float32"
+                " or NCHW model with its preprocessing"
             )
         if not isinstance(shape[1], int) or not isinstance(shape[2], int):
             raise ModelError(f"{self.path}: input 'frames' needs a fixed H and W, got {shape}")

@@ -298,3 +298,12 @@ def test_an_agents_own_heartbeat_is_what_the_registry_judges_by(
     refused = _upload(client, _imported(tmp_path, 24, version="9"), fleet="plant-3")
     assert refused.status_code == 422 and "agent cam-9 (fleet plant-3)" in refused.json()["detail"]
     assert _upload(client, _imported(tmp_path, 32, version="9")).status_code == 201
+
+
+def test_upload_refuses_a_model_whose_announcement_agents_would_not_take(
+    client: TestClient, tmp_path: Path
+) -> None:
+    refused = _upload(client, _imported(tmp_path, 512, version="big"))
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["reason"] == "too_large"
+    assert "agents accept at most 1048576" in refused.json()["detail"]
