@@ -211,8 +211,8 @@ def _load(path: Path) -> tuple[onnx.ModelProto, bytes]:
     return model, data
 
 
-def _input_shape(model: onnx.ModelProto, spec: ImportSpec) -> tuple[int | None, int, int]:
-    """(batch or None, height, width) of the user's input, checked against ``spec``."""
+def _input_shape(model: onnx.ModelProto, spec: ImportSpec) -> tuple[int, int]:
+    """(height, width) of the user's input, checked against ``spec`` (batch 1 or dynamic)."""
     graph = model.graph
     initializers = {i.name for i in graph.initializer}
     inputs = [i for i in graph.input if i.name not in initializers]
@@ -275,7 +275,7 @@ def _input_shape(model: onnx.ModelProto, spec: ImportSpec) -> tuple[int | None, 
             " dynamic batch axis",
             "input_batch",
         )
-    return batch, h, w
+    return h, w
 
 
 def _choose_output(model: onnx.ModelProto, spec: ImportSpec) -> onnx.ValueInfoProto:
@@ -409,7 +409,7 @@ def import_onnx(source: Path, spec: ImportSpec, *, out: Path) -> ImportResult:
             f" {limit}: export it again with a lower opset",
             "incompatible_opset",
         )
-    _batch, h, w = _input_shape(model, spec)
+    h, w = _input_shape(model, spec)
     output = _choose_output(model, spec)
     labels = list(spec.labels)
     try:
