@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 from cloud_service.settings import CloudSettings
 from distill import jobs, schedules
@@ -39,7 +40,8 @@ def _sessions(config: Path | None) -> tuple[CloudSettings, sessionmaker[Session]
         upgrade_database(url)
     except EdgeLoopError as exc:
         fail(exc.message)
-    return settings, make_session_factory(make_engine(url))
+    # No pool: a command's connections close with its sessions, none is left open.
+    return settings, make_session_factory(make_engine(url, poolclass=NullPool))
 
 
 FleetOption = typer.Option(
@@ -362,17 +364,17 @@ def list_schedules(
     if not rows:
         _console.print("no schedules (create one with `edgeloop jobs schedule NAME ...`)")
         return
-    table = Table(title="schedules")
-    for col in ("id", "name", "fleet", "when", "enabled", "next run", "last run", "last job"):
-        table.add_column(col)
+    table = Table(title="schedules (times UTC)")
+    for col in ("id", "name", "fleet", "when", "on", "next run", "last job"):
+        table.add_column(col, no_wrap=col in ("name", "fleet", "next run"))
     for r in rows:
         when = f"{r['kind']} {r['expression']}"
         if r["trigger"]:
             when += " " + ", ".join(f"{k}={v}" for k, v in sorted(r["trigger"].items()))
+        next_run = r["next_run_at"][:16].replace("T", " ") if r["next_run_at"] else "-"
         table.add_row(
             str(r["id"]), r["name"], r["fleet"] or "", when, "yes" if r["enabled"] else "no",
-            r["next_run_at"] or "-", r["last_run_at"] or "-",
-            "-" if r["last_job_id"] is None else str(r["last_job_id"]),
+            next_run, "-" if r["last_job_id"] is None else str(r["last_job_id"]),
         )  # fmt: skip
     _console.print(table)
 

@@ -36,15 +36,35 @@ def image_folder(tmp_path_factory: pytest.TempPathFactory, small_test_set: Frame
     return root
 
 
-def test_bootstrap_json_uses_cache(quick_models: ReferenceModels, model_cache: Path) -> None:
+def test_bootstrap_json_uses_cache(
+    quick_models: ReferenceModels,
+    model_cache: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("EDGELOOP_DATA_DIR", str(tmp_path))
     out = json.loads(_ok(["bootstrap", "--quick", "--json", "--cache-dir", str(model_cache)]))
     assert out["built"] == [] and out["student_int8_onnx"] == str(quick_models.student_int8_onnx)
     assert out["student"]["test_accuracy"] == quick_models.metrics["student"]["test_accuracy"]
+    # Installed where cloud-service and edge-agent load them: the teacher, the INT8 student.
+    assert out["installed"] == {
+        "teacher": str(tmp_path / "models" / "teacher.onnx"),
+        "student": str(tmp_path / "models" / "student.onnx"),
+    }
+    installed = (tmp_path / "models" / "student.onnx").read_bytes()
+    assert installed == quick_models.student_int8_onnx.read_bytes()
 
 
-def test_bootstrap_table(quick_models: ReferenceModels, model_cache: Path) -> None:
+def test_bootstrap_table(
+    quick_models: ReferenceModels,
+    model_cache: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("EDGELOOP_DATA_DIR", str(tmp_path))
     out = _ok(["bootstrap", "--quick", "--cache-dir", str(model_cache)])
     assert "teacher FP32" in out and "student INT8" in out and "nothing (all cached)" in out
+    assert f"installed the teacher: {tmp_path / 'models' / 'teacher.onnx'}" in out
 
 
 def test_eval_reference_alias_with_drift(quick_models: ReferenceModels, model_cache: Path) -> None:
