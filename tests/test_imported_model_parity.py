@@ -19,7 +19,10 @@ from typer.testing import CliRunner
 from cloud_service.batcher import BatcherConfig, DynamicBatcher
 from cloud_service.verifier import TeacherModel
 from distill.cli import app
+from edge_agent.agent import Agent
 from edge_agent.engine import EngineOptions, OrtEngine
+from edge_agent.settings import AgentSettings
+from edge_agent.testing import MemoryPublisher
 
 MEAN = np.array([0.485, 0.456, 0.406], np.float32)
 STD = np.array([0.229, 0.224, 0.225], np.float32)
@@ -145,6 +148,21 @@ def test_imported_model_served_by_agent_and_verifier_matches_the_original(
     assert engine.labels == LABELS
     assert engine.version == student_report["version"]
     agent_scores = engine.run(frames)
+    # And the whole agent answering each frame (batcher, routing, the sample's tags).
+    settings = AgentSettings(
+        data_dir=tmp_path / "agent",
+        model_path=student_path,
+        agent_id="cam-1",
+        intra_op_threads=1,
+        warmup_runs=1,
+        heartbeat_s=3600.0,
+    )
+    with Agent(settings, engine=engine, publisher=MemoryPublisher(), start_sources=False) as agent:
+        answers = [agent.process(frame, source="test") for frame in frames]
+    answered = np.asarray([a.scores for a in answers], np.float32)
+    assert {(a.model_name, a.model_version) for a in answers} == {
+        (student_report["name"], student_report["version"])
+    }
 
     # The verifier's teacher path: the TeacherModel session behind the dynamic batcher.
     teacher = TeacherModel(teacher_path, providers=["CPUExecutionProvider"])
@@ -156,12 +174,15 @@ def test_imported_model_served_by_agent_and_verifier_matches_the_original(
 
     agent_diff = float(np.abs(agent_scores - expected).max())
     verifier_diff = float(np.abs(verifier_scores - expected).max())
+    answered_diff = float(np.abs(answered - expected).max())
     print(
-        f"\nimported-model parity: agent max|diff| {agent_diff:.3e},"
+        f"\nimported-model parity: agent engine max|diff| {agent_diff:.3e},"
+        f" agent answers {answered_diff:.3e},"
         f" verifier max|diff| {verifier_diff:.3e},"
         f" import's own check {student_report['max_abs_diff']:.3e} (atol {ATOL:g})"
     )
     assert agent_scores.shape == expected.shape == (len(frames), len(LABELS))
     assert agent_diff <= ATOL
     assert verifier_diff <= ATOL
+    assert answered_diff <= ATOL
     assert float(np.ptp(expected, axis=0).max()) > 0.05  # the frames' scores really differ
