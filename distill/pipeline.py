@@ -556,19 +556,19 @@ class _WarmStart:
 
 
 def _warm_start(
-    candidates: Sequence[Path],
+    candidates: Sequence[tuple[str, Path]],
     classes: tuple[str, ...],
     seed: int,
 ) -> _WarmStart:
-    """Weights to start from: the first checkpoint that exists, with a fresh head when
-    its class set is not the fleet's; a fresh student when there is none."""
+    """Weights to start from: the first ``(what, path)`` checkpoint that exists, with a
+    fresh head when its class set is not the fleet's; a fresh student when there is none."""
     import torch
 
     from distill.models import build_model, load_checkpoint, transfer_weights
 
-    path = next((c for c in candidates if c.is_file()), None)
+    found = next(((what, c) for what, c in candidates if c.is_file()), None)
     torch.manual_seed(seed)
-    if path is None:
+    if found is None:
         net = build_model("student-cnn", len(classes))
         return _WarmStart(
             net.state_dict(),
@@ -578,14 +578,15 @@ def _warm_start(
             "no student checkpoint to warm-start from (base_checkpoint): training a fresh"
             " student-cnn",
         )
+    what, path = found
     base = load_checkpoint(path)
     if tuple(base.meta.class_names) == classes:
         return _WarmStart(
             base.net.state_dict(),
             base.meta.arch,
             base.meta.width,
-            path.name,
-            f"warm start from {path.name} ({base.meta.version})",
+            what,
+            f"warm start from {what} ({base.meta.name} {base.meta.version})",
         )
     net = build_model(base.meta.arch, len(classes), base.meta.width)
     fresh = transfer_weights(net, base.net.state_dict())
@@ -593,8 +594,8 @@ def _warm_start(
         net.state_dict(),
         base.meta.arch,
         base.meta.width,
-        path.name,
-        f"warm start from {path.name}: its {base.meta.num_classes} classes"
+        what,
+        f"warm start from {what}: its {base.meta.num_classes} classes"
         f" ({', '.join(base.meta.class_names)}) are not the fleet's {len(classes)}"
         f" ({', '.join(classes)}); kept its features, re-initialised {', '.join(fresh)}",
     )
@@ -657,6 +658,7 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
             ).first()
         )
         parent_ckpt = None if parent_job is None else parent_job.metrics.get("checkpoint_key")
+        parent_job_id = None if parent_job is None else parent_job.id
     if len(rows) < p.min_samples:
         raise DataError(
             f"only {len(rows)} verified samples for fleet {p.fleet!r}; the job needs"
@@ -797,13 +799,14 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
 
     # -- train ---------------------------------------------------------------------
     progress("train", 5)
-    ckpt_candidates: list[Path] = []
+    ckpt_candidates: list[tuple[str, Path]] = []
     if parent_ckpt and services.blobs.exists(str(parent_ckpt)):
-        ckpt_candidates.append(_blob_to_file(services.blobs, str(parent_ckpt), work / "parent.pt"))
+        parent_path = _blob_to_file(services.blobs, str(parent_ckpt), work / "parent.pt")
+        ckpt_candidates.append((f"the serving student (job {parent_job_id})", parent_path))
     if p.base_checkpoint:
-        ckpt_candidates.append(Path(p.base_checkpoint))
+        ckpt_candidates.append((f"base_checkpoint {p.base_checkpoint}", Path(p.base_checkpoint)))
     if services.base_checkpoint is not None:
-        ckpt_candidates.append(services.base_checkpoint)
+        ckpt_candidates.append((f"{services.base_checkpoint}", services.base_checkpoint))
     start = _warm_start(ckpt_candidates, classes, p.seed)
     ctx.log(start.note, level="info" if start.source != "fresh" else "warning")
     version = f"d{ctx.job_id}.{ctx.attempt}"
