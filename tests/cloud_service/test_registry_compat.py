@@ -265,6 +265,7 @@ def test_models_page_shows_per_agent_install_state_never_serving_when_refused(
     assert ">refused<" in row and ">serving<" not in row
     assert 'cam-1</b> (plant-3): refused: <span class="reason">incompatible_input' in row
     assert "cam-3</b> (plant-3): pending" in row
+    assert "imported from source-32.onnx (float32 NCHW, scale 0.003922" in row
 
     _model_status(client, "cam-3", "5", "active")
     html = client.get("/ui/models").text
