@@ -211,8 +211,8 @@ def bootstrap(
         _out.print(f"student: {refs.student_onnx.parent}", soft_wrap=True)
         built = ", ".join(refs.built) if refs.built else "nothing (all cached)"
         _out.print(f"trained now: {built}")
-        for role, path in installed.items():
-            _out.print(f"installed the {role}: {path}", soft_wrap=True)
+        for role, where in installed.items():
+            _out.print(f"installed the {role}: {where}", soft_wrap=True)
 
 
 @models_app.command("install")

@@ -78,14 +78,14 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _rows(data: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
-    rows: list[tuple[str, str]] = []
+def _rows(data: dict[str, Any], prefix: str = "") -> list[list[str]]:
+    rows: list[list[str]] = []
     for key, value in data.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
             rows += _rows(value, f"{name}.")
         else:
-            rows.append((name, _fmt(value)))
+            rows.append([name, _fmt(value)])
     return rows
 
 
@@ -121,8 +121,7 @@ def metric_tables(metrics: dict[str, Any]) -> list[dict[str, Any]]:
     if isinstance(history, list) and history:
         scalars["epochs run"] = len(history)
     if scalars:
-        rows = [list(r) for r in _rows(scalars)]
-        tables.insert(0, {"title": "Summary", "columns": ["name", "value"], "rows": rows})
+        tables.insert(0, {"title": "Summary", "columns": ["name", "value"], "rows": _rows(scalars)})
     return tables
 
 
