@@ -1,0 +1,131 @@
+"""The pipeline's pieces for a fleet of its own classes: warm start across class sets,
+the held-out split by sample id, the gate without a reference set, per-class minimums,
+and where replay and reference frames come from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from distill.models import ModelMeta, build_model, save_checkpoint, transfer_weights
+from distill.pipeline import (
+    JobParams,
+    _check_per_class,
+    _distinct,
+    _reference_sets,
+    _Row,
+    _split,
+    _warm_start,
+    gate,
+)
+from distill.scenario import DIGIT_CLASSES, ScenarioConfig
+from shared.errors import DataError
+
+SHAPES = ("circle", "square", "triangle")
+
+
+def _checkpoint(path: Path, classes: tuple[str, ...]) -> Path:
+    torch.manual_seed(0)
+    net = build_model("student-cnn", len(classes), width=0.25)
+    meta = ModelMeta(
+        arch="student-cnn", num_classes=len(classes), class_names=classes, frame_size=32, width=0.25
+    )
+    save_checkpoint(path, net, meta)
+    return path
+
+
+def test_a_checkpoint_of_another_class_set_keeps_its_features_and_gets_a_fresh_head(
+    tmp_path: Path,
+) -> None:
+    digits = _checkpoint(tmp_path / "digits.pt", DIGIT_CLASSES)
+    start = _warm_start([("base_checkpoint digits.pt", digits)], SHAPES, seed=0)
+    assert start.arch == "student-cnn" and start.width == 0.25
+    assert start.state["head.2.weight"].shape[0] == 3
+    assert "its 10 classes (0, 1, 2" in start.note and "re-initialised head.2.weight" in start.note
+    base = torch.load(digits, weights_only=True)["state_dict"]
+    torch.testing.assert_close(start.state["features.0.0.weight"], base["features.0.0.weight"])
+    # The same class set: every weight as it was, no re-initialisation.
+    same = _warm_start(
+        [("missing", tmp_path / "nope.pt"), ("mine", _checkpoint(tmp_path / "s.pt", SHAPES))],
+        SHAPES,
+        seed=0,
+    )
+    assert same.source == "mine" and "re-initialised" not in same.note
+    fresh = _warm_start([], SHAPES, seed=0)
+    assert fresh.source == "fresh" and "training a fresh student-cnn" in fresh.note
+
+
+def test_transfer_weights_names_what_it_left() -> None:
+    ten, three = build_model("student-cnn", 10, 0.25), build_model("student-cnn", 3, 0.25)
+    assert transfer_weights(three, ten.state_dict()) == ["head.2.weight", "head.2.bias"]
+
+
+def _rows(n: int) -> tuple[list[_Row], np.ndarray]:
+    rng = np.random.default_rng(0)
+    rows = [_Row(f"id-{i:04d}", f"k{i}", i % 3, i % 3, [1 / 3] * 3, False) for i in range(n)]
+    return rows, rng.integers(0, 255, (n, 4, 4, 3), dtype=np.uint8)
+
+
+def test_the_holdout_by_sample_id_is_the_same_whatever_else_arrives() -> None:
+    rows, pixels = _rows(300)
+    p = JobParams(holdout_share=0.2)
+    _, _, held = _split(_distinct(rows, pixels), p, by="sample-id")
+    more_rows, more_pixels = _rows(400)  # 100 newer samples besides the same 300
+    _, _, held_later = _split(_distinct(more_rows, more_pixels), p, by="sample-id")
+    ids = {f.row.sample_id for f in held}
+    assert 40 <= len(ids) <= 80
+    assert ids <= {f.row.sample_id for f in held_later}
+    train, val, _ = _split(_distinct(rows, pixels), p, by="sample-id")
+    assert not ids & {f.row.sample_id for f in train + val}
+
+
+def test_the_gate_without_a_reference_set_judges_the_holdout_alone() -> None:
+    evaluation = {
+        "new_fp32": {"holdout": 0.90},
+        "new_int8": {"holdout": 0.89},
+        "serving": {"holdout": 0.70},
+    }
+    decision = gate(evaluation, min_gain=0.0, max_reference_drop=0.02, int8_tolerance=0.02)
+    assert decision.passed and decision.checks["reference_drop"] is None
+
+
+def test_too_few_frames_per_class_names_the_classes_and_counts() -> None:
+    fleet = np.array([0] * 12 + [1] * 3 + [2] * 9)
+    with pytest.raises(DataError) as caught:
+        _check_per_class(SHAPES, fleet, np.array([2, 2]), 10, "data_dir x")
+    assert caught.value.message == (
+        "too few labelled frames for class(es) square: each class needs at least 10"
+        " (min_per_class); have circle 12, square 3, triangle 11 (verified samples and"
+        " data_dir x)"
+    )
+    _check_per_class(SHAPES, fleet, np.array([1] * 7 + [2]), 10, "data_dir x")  # enough now
+
+
+def test_replay_and_reference_come_from_the_folder_or_nowhere_never_the_digits(
+    tmp_path: Path,
+) -> None:
+    scenario = ScenarioConfig(frame_size=32)
+    none = _reference_sets(JobParams(), scenario, SHAPES, 32)
+    assert none.kind == "none" and none.replay is none.val is none.test is None
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        # The folder's classes in another order than the model's: matched by name.
+        name = ("triangle", "circle", "square")[i % 3]
+        path = tmp_path / "data" / name / f"{i}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(path)
+    folder = _reference_sets(JobParams(data_dir=str(tmp_path / "data")), scenario, SHAPES, 32)
+    assert folder.kind == "folder" and folder.replay is not None
+    assert folder.replay.class_names == SHAPES
+    assert sum(len(s) for s in (folder.replay, folder.val, folder.test) if s is not None) == 40
+    (tmp_path / "data" / "hexagon").mkdir()
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(tmp_path / "data" / "hexagon" / "h.png")
+    with pytest.raises(DataError, match="data has classes the model does not know: hexagon"):
+        _reference_sets(JobParams(data_dir=str(tmp_path / "data")), scenario, SHAPES, 32)
+    # Only a fleet of the digits, at the scenario's frame size, replays rendered digits.
+    assert _reference_sets(JobParams(), scenario, DIGIT_CLASSES, 32).kind == "scenario"
+    assert _reference_sets(JobParams(), scenario, DIGIT_CLASSES, 64).kind == "none"
