@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
@@ -338,7 +339,14 @@ def _check_agents(
     agents: Sequence[str] | None = None,
 ) -> None:
     """ConflictError (409) if agents about to be told of ``record`` would refuse it."""
-    manifest = ModelManifest.model_validate(record.manifest)
+    try:
+        manifest = ModelManifest.model_validate(record.manifest)
+    except ValidationError as exc:
+        raise ConflictError(
+            f"{record.name} {record.version} has no valid manifest to announce"
+            f" ({exc.error_count()} problem(s)); register the model again",
+            reason="invalid_manifest",
+        ) from exc
     refusals = agent_refusals(session=session, manifest=manifest, fleet=fleet, agents=agents)
     if refusals:
         raise ConflictError(_refusal_message(manifest, refusals), reason=refusals[0].reason)
