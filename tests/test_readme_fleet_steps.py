@@ -199,7 +199,9 @@ def test_the_five_steps_run_as_written(fleet_env: dict[str, str], tmp_path: Path
             if argv[:2] == ["cloud-service", "tokens"] and found:
                 token = found[0]
 
-        assert "installed the teacher" in outputs["edgeloop models"]
+        bootstrap = " ".join(outputs["edgeloop models"].split())
+        assert "trained now: nothing (all cached)" in bootstrap  # the cache is honoured
+        assert "installed the teacher" in bootstrap and "installed the student" in bootstrap
         assert "INFO" not in outputs["cloud-service users"]  # no Alembic chatter
         assert "enrolled as plant-3/" in outputs["edge-agent enroll"]
 
