@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,7 +30,8 @@ def _colour_of(frame: np.ndarray) -> str:
 def _coco(tmp_path: Path) -> Path:
     """Four images: one box; two boxes of one class; two classes (the larger wins); none."""
     names = ["red", "green", "blue"]
-    images, annotations = [], []
+    images: list[dict[str, Any]] = []
+    annotations: list[dict[str, Any]] = []
     boxes = {
         "a.png": [("red", [0, 0, 10, 10])],
         "b.png": [("green", [0, 0, 5, 5]), ("green", [5, 5, 5, 5])],
