@@ -318,7 +318,10 @@ class DistillWorker:
             return self._end(ctx, "failed", error=str(exc))
         except Exception as exc:  # the job's own failure: its reason in the job, the trace here
             detail = _reason(exc)
-            log.exception("job %d failed: %s", ctx.job_id, detail)
+            if isinstance(exc, EdgeLoopError):  # a known condition: its message says it all
+                log.warning("job %d failed: %s", ctx.job_id, detail)
+            else:  # a bug: the traceback belongs in this log (the job's log has the reason)
+                log.exception("job %d failed: %s", ctx.job_id, detail)
             return self._end(ctx, "failed", error=detail)
         return self._end(
             ctx,
