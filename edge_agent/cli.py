@@ -15,7 +15,6 @@ import typer
 from edge_agent.settings import AgentSettings, default_config_path
 from shared.console import (
     JsonOption,
-    add_settings_command,
     fail,
     load_settings,
     print_json,
@@ -25,7 +24,6 @@ from shared.errors import EdgeLoopError
 app = typer.Typer(
     help="EdgeLoop edge agent: quantized student on camera frames.", no_args_is_help=True
 )
-add_settings_command(app, AgentSettings)
 
 AgentConfigOption = typer.Option(
     None,
@@ -42,6 +40,19 @@ def _agent_config(config: Path | None) -> Path | None:
         return config
     enrolled = default_config_path()
     return enrolled if enrolled.is_file() else None
+
+
+@app.command("settings")
+def show_settings(config: Path | None = AgentConfigOption, as_json: bool = JsonOption) -> None:
+    """Print the effective settings (the enrolled config + environment), secrets redacted."""
+    from shared.console import settings_view
+
+    view = settings_view(load_settings(AgentSettings, _agent_config(config)))
+    if as_json:
+        print_json(view)
+        return
+    for key in sorted(view):
+        typer.echo(f"{key} = {view[key]}")
 
 
 @app.command("run")

@@ -84,6 +84,8 @@ def test_enroll_writes_where_run_and_status_read(
     settings = AgentSettings.load(_agent_config(None))
     assert (settings.fleet, settings.agent_id, settings.key_id) == ("warehouse", "cam-7", "k1")
     assert _agent_config(Path("/elsewhere.toml")) == Path("/elsewhere.toml")  # --config wins
+    shown = json.loads(runner.invoke(app, ["settings", "--json"]).output)
+    assert shown["fleet"] == "warehouse" and shown["api_token"] == "***"
 
 
 def test_status_reads_the_enrolled_config_and_rounds(config_home: Path, running_agent: int) -> None:
