@@ -23,8 +23,9 @@
 3. **Train**: ``distill.train.train`` with the Hinton loss
    ``alpha * T^2 * KL(teacher_T || student_T) + (1 - alpha) * CE(label)``, warm-started
    from the serving student's weights (the previous round's checkpoint, else
-   ``base_checkpoint``, e.g. the ``.pt`` that ``edgeloop models train`` writes; a
-   checkpoint of another class set keeps its features and gets a fresh head, logged),
+   ``base_checkpoint``, else the ``.pt`` that ``edgeloop models train`` wrote beside an
+   unregistered serving model, else the worker's default; a checkpoint of another
+   class set keeps its features and gets a fresh head, logged),
    the whole one-cycle schedule (early stopping on validation when ``patience`` is
    set), torch limited to the job's ``threads``; the job's cancel flag is checked after
    every step. Then the confidence is **calibrated**: a softmax temperature at which
@@ -546,6 +547,13 @@ def _check_per_class(
         )
 
 
+def _checkpoint_beside(model: Path) -> Path:
+    """The checkpoint ``models train`` wrote beside a model: NAME.pt for NAME.onnx, and
+    for the NAME.int8.onnx that ``models quantize`` made of it."""
+    stem = model.name.removesuffix(".onnx").removesuffix(".int8")
+    return model.with_name(f"{stem}.pt")
+
+
 @dataclass(frozen=True)
 class _WarmStart:
     state: dict[str, Any]
@@ -805,6 +813,9 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
         ckpt_candidates.append((f"the serving student (job {parent_job_id})", parent_path))
     if p.base_checkpoint:
         ckpt_candidates.append((f"base_checkpoint {p.base_checkpoint}", Path(p.base_checkpoint)))
+    if serving_info is None:
+        beside = _checkpoint_beside(serving_path)
+        ckpt_candidates.append((f"{beside} (beside the serving student)", beside))
     if services.base_checkpoint is not None:
         ckpt_candidates.append((f"{services.base_checkpoint}", services.base_checkpoint))
     start = _warm_start(ckpt_candidates, classes, p.seed)

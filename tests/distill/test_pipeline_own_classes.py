@@ -15,6 +15,7 @@ from distill.models import ModelMeta, build_model, save_checkpoint, transfer_wei
 from distill.pipeline import (
     JobParams,
     _check_per_class,
+    _checkpoint_beside,
     _distinct,
     _reference_sets,
     _Row,
@@ -57,6 +58,11 @@ def test_a_checkpoint_of_another_class_set_keeps_its_features_and_gets_a_fresh_h
     assert same.source == "mine" and "re-initialised" not in same.note
     fresh = _warm_start([], SHAPES, seed=0)
     assert fresh.source == "fresh" and "training a fresh student-cnn" in fresh.note
+
+
+def test_the_checkpoint_models_train_wrote_is_found_beside_its_model() -> None:
+    assert _checkpoint_beside(Path("/m/student.int8.onnx")) == Path("/m/student.pt")
+    assert _checkpoint_beside(Path("/m/mine.onnx")) == Path("/m/mine.pt")
 
 
 def test_transfer_weights_names_what_it_left() -> None:
