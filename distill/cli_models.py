@@ -134,8 +134,12 @@ def install_model(source: Path, role: str, config: Path | None = None) -> Path:
     except Exception as exc:  # onnxruntime raises its own untyped errors
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"{source} does not load in ONNX Runtime: {first}") from exc
-    target = installed_model_path(role, config)
-    if target.resolve() == source.resolve():
+    return _replace(source, installed_model_path(role, config))
+
+
+def _replace(source: Path, target: Path) -> Path:
+    """Copy ``source`` over ``target`` in one step (through a temporary file beside it)."""
+    if target.exists() and target.resolve() == source.resolve():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
@@ -168,7 +172,12 @@ def bootstrap(
         installed: dict[str, str] = {}
         if install:
             installed["teacher"] = str(install_model(refs.teacher_onnx, "teacher", config))
-            installed["student"] = str(install_model(refs.student_int8_onnx, "student", config))
+            student = install_model(refs.student_int8_onnx, "student", config)
+            installed["student"] = str(student)
+            # Its weights beside it: a distill worker on this host warm-starts from them.
+            installed["student_weights"] = str(
+                _replace(refs.student_pt, student.with_suffix(".pt"))
+            )
         t, s = refs.metrics["teacher"], refs.metrics["student"]
         if json_out:
             _print_json(
@@ -212,7 +221,7 @@ def bootstrap(
         built = ", ".join(refs.built) if refs.built else "nothing (all cached)"
         _out.print(f"trained now: {built}")
         for role, where in installed.items():
-            _out.print(f"installed the {role}: {where}", soft_wrap=True)
+            _out.print(f"installed the {role.replace('_', ' ')}: {where}", soft_wrap=True)
 
 
 @models_app.command("install")

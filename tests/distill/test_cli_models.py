@@ -50,6 +50,7 @@ def test_bootstrap_json_uses_cache(
     assert out["installed"] == {
         "teacher": str(tmp_path / "models" / "teacher.onnx"),
         "student": str(tmp_path / "models" / "student.onnx"),
+        "student_weights": str(tmp_path / "models" / "student.pt"),
     }
     installed = (tmp_path / "models" / "student.onnx").read_bytes()
     assert installed == quick_models.student_int8_onnx.read_bytes()
