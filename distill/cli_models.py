@@ -134,7 +134,10 @@ def install_model(source: Path, role: str, config: Path | None = None) -> Path:
     except Exception as exc:  # onnxruntime raises its own untyped errors
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"{source} does not load in ONNX Runtime: {first}") from exc
-    return _replace(source, installed_model_path(role, config))
+    target = _replace(source, installed_model_path(role, config))
+    # Weights beside it belong to the model it replaced: a warm start from them would be wrong.
+    target.with_suffix(".pt").unlink(missing_ok=True)
+    return target
 
 
 def _replace(source: Path, target: Path) -> Path:

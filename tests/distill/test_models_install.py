@@ -37,6 +37,9 @@ def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_install_puts_each_role_where_its_process_looks(data_dir: Path, tmp_path: Path) -> None:
     model = _identity_model(tmp_path / "mine.onnx")
+    stale = data_dir / "models" / "student.pt"  # weights of the model being replaced
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"old weights")
     for role in ("teacher", "student"):
         result = runner.invoke(models_app, ["install", str(model), "--role", role, "--json"])
         assert result.exit_code == 0, result.output
