@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+__all__ = ["DISTILL_QUEUE_GAUGES", "CloudMetrics"]
+
 log = logging.getLogger(__name__)
 
 # Figures of the distillation queue, read from the database at scrape time.
@@ -50,7 +52,6 @@ class _DistillQueueCollector(Collector):
     def describe(self) -> Iterator[GaugeMetricFamily]:
         return iter(())
 
-__all__ = ["DISTILL_QUEUE_GAUGES", "CloudMetrics"]
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
