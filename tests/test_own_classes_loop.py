@@ -34,7 +34,9 @@ from cloud_service import registry
 from cloud_service.announce import MqttAnnouncer
 from cloud_service.api import create_app
 from cloud_service.db import crud
+from cloud_service.db.models import Sample
 from cloud_service.settings import DEV_ADMIN_TOKEN, CloudSettings
+from cloud_service.ui.store import class_names_for
 from cloud_service.worker import VerifierWorker
 from distill import jobs
 from distill.cli_models import models_app
@@ -278,6 +280,11 @@ def test_own_classes_train_serve_verify_review_distill_deliver(
                     f"/v1/samples/{sid}/labels", json={"label": sent[sid], "labeled_by": "ada"}
                 )
                 assert answer.status_code == 201, answer.text
+        # The review UI names the fleet's classes, not their indices.
+        with state.sessions.begin() as s:
+            sample = s.get(Sample, reviewed[0])
+            assert sample is not None
+            assert class_names_for(session=s, state=state).for_sample(sample) == list(CLASSES)
 
         # -- one distillation round on the fleet's own samples ---------------------------
         services = PipelineServices(
