@@ -22,6 +22,7 @@ from cloud_service.blobs import sample_image_key
 from cloud_service.verifier import decode_image
 from shared.envelope import EnvelopeLimits, decode_envelope
 from shared.errors import ContractError, EdgeLoopError
+from shared.images import check_jpeg_scans
 from shared.messages import AgentStatus, ModelStatus, SampleHeader, decode_message
 from shared.topics import TopicRef, Topics
 
@@ -140,6 +141,7 @@ def classify(
             envelope = decode_envelope(payload, limits)
             header = envelope.header
             _check_source(ref, header.fleet, header.agent)
+            check_jpeg_scans(envelope.image)  # a scan bomb is dead-lettered, never decoded
             pixels = decode_image(envelope.image, input_size)
             return IngestSample(header=header, image=envelope.image, pixels=pixels)
         if ref.kind == "status":

@@ -22,8 +22,8 @@ import cv2
 import numpy as np
 from PIL import Image
 
-from shared.errors import ImageError, ImageFormatError
-from shared.images import ImageInfo, probe_image
+from shared.errors import ImageError, ImageFormatError, JpegScanLimitError
+from shared.images import ImageInfo, check_jpeg_scans, probe_image
 
 __all__ = [
     "ACCEPTED",
@@ -81,6 +81,13 @@ def check_upload(data: bytes, *, max_bytes: int, max_pixels: int) -> ImageInfo:
         )
     try:
         info = probe_image(data)
+        check_jpeg_scans(data)
+    except JpegScanLimitError as exc:
+        raise ImageRejected(
+            f"{exc}; send {ACCEPTED}, baseline or progressive with at most the usual scans",
+            reason=exc.reason,
+            status=422,
+        ) from exc
     except ImageFormatError as exc:
         raise ImageRejected(
             f"not an image the agent accepts ({exc}); send {ACCEPTED}", reason="not_image"

@@ -44,6 +44,7 @@ __all__ = [
     "ImageError",
     "ImageFormatError",
     "InvalidIdError",
+    "JpegScanLimitError",
     "LimitExceededError",
     "ManifestError",
     "MessageError",
@@ -140,6 +141,12 @@ class ImageFormatError(EnvelopeError):
 
 class ImageError(ContractError):
     reason = "bad_image"
+
+
+class JpegScanLimitError(ImageFormatError):
+    """A JPEG with more scans than allowed: each scan re-walks every block (a "scan bomb")."""
+
+    reason = "jpeg_too_many_scans"
 
 
 class DataError(ContractError):

@@ -4,18 +4,26 @@ Used to check an envelope's image against its header and its pixel limit before
 anything expensive runs. PNG: the signature and the IHDR chunk (CRC checked).
 JPEG: the marker segments up to the first SOFn (baseline, extended, progressive,
 lossless, arithmetic), skipping APPn/DQT/DHT/... segments by their lengths.
+
+``check_jpeg_scans`` walks the whole JPEG marker stream (segments by their lengths,
+entropy-coded data up to the next marker that is neither a stuffed ``FF00`` nor an
+RSTn) and refuses one with more than ``max_scans`` scans before a decoder sees it:
+each progressive scan re-walks every block of the image, so 100k tiny scans in
+2 MB make a decoder spin for minutes. A baseline JPEG has one scan, libjpeg's
+progressive script ten.
 """
 
 from __future__ import annotations
 
+import re
 import struct
 import zlib
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.errors import ImageFormatError
+from shared.errors import ImageFormatError, JpegScanLimitError
 
-__all__ = ["ImageFormat", "ImageInfo", "probe_image"]
+__all__ = ["MAX_JPEG_SCANS", "ImageFormat", "ImageInfo", "check_jpeg_scans", "probe_image"]
 
 ImageFormat = Literal["jpeg", "png"]
 
@@ -26,6 +34,11 @@ _PNG_BIT_DEPTHS = {0: {1, 2, 4, 8, 16}, 2: {8, 16}, 3: {1, 2, 4, 8}, 4: {8, 16},
 _JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 # Markers that stand alone, without a length: TEM and RST0-RST7.
 _JPEG_STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})
+# In entropy-coded data: an FF that starts a marker (not FF00 stuffing, RSTn or a fill FF).
+_JPEG_NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
+_JPEG_SOS = 0xDA
+_JPEG_EOI = 0xD9
+MAX_JPEG_SCANS = 64
 
 
 @dataclass(frozen=True)
@@ -104,3 +117,50 @@ def _probe_jpeg(view: memoryview) -> ImageInfo:
                 raise ImageFormatError(f"JPEG image has an unsupported size {width}x{height}")
             return ImageInfo("jpeg", width, height)
         pos += length
+
+
+def check_jpeg_scans(data: bytes, *, max_scans: int = MAX_JPEG_SCANS) -> int:
+    """The number of scans of a JPEG; raise JpegScanLimitError past ``max_scans``.
+
+    Reads markers only (microseconds per scan, and it stops at ``max_scans + 1``);
+    bytes that are not a JPEG return 0, a malformed marker stream raises
+    ImageFormatError. A stream cut short returns the scans seen: the decoder
+    refuses the truncation itself.
+    """
+    view = memoryview(data)
+    if view[:2] != b"\xff\xd8":
+        return 0
+    pos, end, scans = 2, len(view), 0
+    while pos < end:
+        if view[pos] != 0xFF:
+            raise ImageFormatError(f"JPEG image is malformed: expected a marker at byte {pos}")
+        while pos < end and view[pos] == 0xFF:  # any number of fill bytes
+            pos += 1
+        if pos >= end:
+            break
+        marker = view[pos]
+        pos += 1
+        if marker == _JPEG_EOI:
+            break
+        if marker in _JPEG_STANDALONE:
+            continue
+        if marker in (0x00, 0xD8):
+            raise ImageFormatError(f"JPEG image is malformed: marker 0x{marker:02X} at {pos - 1}")
+        if pos + 2 > end:
+            break
+        (length,) = struct.unpack_from(">H", view, pos)
+        if length < 2:
+            raise ImageFormatError(f"JPEG marker 0x{marker:02X} has an invalid length {length}")
+        pos += length
+        if marker == _JPEG_SOS:
+            scans += 1
+            if scans > max_scans:
+                raise JpegScanLimitError(
+                    f"JPEG image has more than {max_scans} scans (a baseline JPEG has 1,"
+                    f" a progressive one about 10)"
+                )
+            found = _JPEG_NEXT_MARKER.search(data, pos)
+            if found is None:
+                break
+            pos = found.start()
+    return scans
