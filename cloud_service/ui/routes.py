@@ -154,7 +154,13 @@ def login(
 
 
 @router.post("/logout")
-def logout(_user: CsrfDep) -> Response:
+def logout(user: CsrfDep, state: StateDep) -> Response:
+    """End the session server-side: bumping the user's session generation makes every cookie
+    signed before now (this one, one copied from it, the user's other browsers) invalid."""
+    with state.sessions.begin() as session:
+        record = crud.get_user(session=session, user_id=user.id)
+        if record is not None:
+            record.session_generation += 1
     redirect = RedirectResponse("/ui/login", status_code=303)
     redirect.delete_cookie(SESSION_COOKIE, path="/")
     return redirect
