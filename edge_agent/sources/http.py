@@ -313,6 +313,25 @@ async def _send(
     await send({"type": "http.response.body", "body": data})
 
 
+_FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data", "text/plain")
+
+
+def _cross_site(request: Request) -> str | None:
+    """Why a mutating request may come from another site's page, else None.
+
+    A browser sends ``Origin`` on every cross-origin POST, and a form (or a fetch that
+    needs no preflight) can only send the form content types: either refuses the request.
+    """
+    origin = request.headers.get("origin")
+    own = f"{request.url.scheme}://{request.headers.get('host', '')}"
+    if origin is not None and origin != own:
+        return f"cross-site request from {origin!r} refused: call this API from {own} or a client"
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type in _FORM_TYPES:
+        return f"a {content_type} body is refused here: send no body or application/json"
+    return None
+
+
 def create_app(agent: Agent) -> AgentApi:
     """The agent's HTTP API as a FastAPI app (served by uvicorn in ``edge-agent run``)."""
     app = AgentApi(title="EdgeLoop edge agent", version="1")
@@ -379,7 +398,10 @@ def create_app(agent: Agent) -> AgentApi:
         return agent.updater.status()
 
     @app.post("/v1/model/rollback")
-    async def rollback_model() -> Response:
+    async def rollback_model(request: Request) -> Response:
+        cross_site = _cross_site(request)
+        if cross_site is not None:
+            return _refuse(403, cross_site, "cross_site")
         try:
             result = await run_in_threadpool(agent.updater.rollback)
         except EdgeLoopError as exc:
