@@ -47,7 +47,12 @@ import numpy as np
 
 from edge_agent.settings import AgentSettings
 from shared.errors import EdgeLoopError, MessageError, ModelError, SignatureError
-from shared.manifest import ModelManifest, agent_refusal, verify_manifest_bytes
+from shared.manifest import (
+    ModelManifest,
+    agent_refusal,
+    verify_manifest_bytes,
+    version_tuple,
+)
 from shared.messages import ModelAnnouncement, ModelStatus, decode_message, encode_message
 
 __all__ = [
@@ -77,18 +82,6 @@ _RUNTIME_OPSET = [
 _CHUNK = 1 << 16
 
 
-def _version_tuple(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in text.split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-        if not piece.isdigit():
-            break
-    return tuple(parts)
-
-
 def runtime_version() -> str:
     import onnxruntime
 
@@ -97,7 +90,7 @@ def runtime_version() -> str:
 
 def max_supported_opset(version: str | None = None) -> int:
     """The highest ai.onnx opset the installed (or given) onnxruntime runs."""
-    have = _version_tuple(version or runtime_version())[:2]
+    have = version_tuple(version or runtime_version())[:2]
     supported = 0
     for release, opset in _RUNTIME_OPSET:
         if have >= release:

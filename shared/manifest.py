@@ -57,6 +57,7 @@ __all__ = [
     "sign_manifest",
     "verify_announcement",
     "verify_manifest_bytes",
+    "version_tuple",
 ]
 
 # Frozen, finite floats, and unknown fields ignored: a newer sender may add
@@ -265,7 +266,8 @@ class ModelManifest(BaseModel):
         return self
 
 
-def _version_tuple(text: str) -> tuple[int, ...]:
+def version_tuple(text: str) -> tuple[int, ...]:
+    """The leading numeric parts of a version string: '1.18.0rc1' -> (1, 18, 0)."""
     parts = []
     for piece in text.split("."):
         digits = "".join(ch for ch in piece if ch.isdigit())
@@ -293,7 +295,7 @@ def agent_refusal(
             f"model needs opset {manifest.opset}; onnxruntime {runtime_version} runs up to"
             f" {max_opset}",
         )
-    if _version_tuple(runtime_version) < _version_tuple(manifest.min_runtime_version):
+    if version_tuple(runtime_version) < version_tuple(manifest.min_runtime_version):
         return (
             "incompatible_runtime",
             f"model needs onnxruntime {manifest.min_runtime_version} or newer; the agent has"
