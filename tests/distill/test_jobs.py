@@ -5,31 +5,17 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
+from cloud_service.db.session import make_engine, make_session_factory
 from distill import jobs
 from distill.worker import DistillWorker, JobContext, JobOutcome
 from shared.errors import ContractError
 
 pytestmark = pytest.mark.sql
-
-
-@pytest.fixture
-def engine(database_url: str) -> Iterator[Engine]:
-    upgrade_database(database_url)
-    eng = make_engine(database_url)
-    yield eng
-    eng.dispose()
-
-
-@pytest.fixture
-def sessions(engine: Engine) -> sessionmaker[Session]:
-    return make_session_factory(engine)
 
 
 def _enqueue(sessions: sessionmaker[Session], n: int = 1, **kwargs: object) -> list[int]:

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
@@ -34,19 +33,6 @@ with warnings.catch_warnings():
 pytestmark = pytest.mark.sql
 ADMIN = {"Authorization": "Bearer test-admin-token"}
 T0 = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
-
-
-@pytest.fixture
-def engine(database_url: str) -> Iterator[Engine]:
-    upgrade_database(database_url)
-    eng = make_engine(database_url)
-    yield eng
-    eng.dispose()
-
-
-@pytest.fixture
-def sessions(engine: Engine) -> sessionmaker[Session]:
-    return make_session_factory(engine)
 
 
 def said(result: Any) -> str:
