@@ -34,8 +34,9 @@ import numpy as np
 import onnxruntime as ort
 from PIL import Image
 
+from shared.decode_pool import DecodePool
 from shared.errors import ImageError, ImageFormatError, ModelError
-from shared.images import ImageInfo, probe_image
+from shared.images import ImageInfo, decode_cost, probe_image
 
 if TYPE_CHECKING:
     from kernels.graph import TeacherSplit
@@ -90,19 +91,30 @@ _REDUCED = (
 )
 
 
-def decode_image(data: bytes, size: tuple[int, int] | None) -> np.ndarray:
+def decode_image(
+    data: bytes, size: tuple[int, int] | None, *, pool: DecodePool | None = None
+) -> np.ndarray:
     """Decode JPEG/PNG bytes to uint8 [H, W, 3] RGB, resized to ``size`` (H, W) if given.
 
     OpenCV decodes (it releases the GIL, so a thread pool spreads decoding over the
     cores), at a reduced scale when the image is at least twice the target, then
     shrinks with the area filter. Bytes OpenCV refuses, and JPEGs that do not end
     with their end-of-image marker, go through Pillow, which either decodes them or
-    says what is wrong with them.
+    says what is wrong with them. With a ``pool``, the images it isolates (progressive
+    JPEGs, costly ones) are decoded in its worker processes within its time budget:
+    ImageDecodeTimeoutError past it, ImageDecodeFailedError when the decoder crashes.
     """
     try:
         info = probe_image(data)
     except ImageFormatError as exc:
         raise ImageError(f"image bytes do not decode as JPEG/PNG: {exc}") from exc
+    if pool is not None and pool.isolates(decode_cost(data, info)):
+        return pool.run(_decode_pixels, data, info, size)
+    return _decode_pixels(data, info, size)
+
+
+def _decode_pixels(data: bytes, info: ImageInfo, size: tuple[int, int] | None) -> np.ndarray:
+    """``decode_image`` of probed bytes, in this process."""
     flag = cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION
     if size is not None:
         flag = _reduced_flag(info, size)

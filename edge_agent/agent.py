@@ -70,6 +70,7 @@ from edge_agent.updates import (
     runtime_version,
 )
 from edge_agent.uplink import Backoff, MqttLink, Publisher
+from shared.decode_pool import DecodePool
 from shared.envelope import encode_envelope
 from shared.errors import EdgeLoopError, MessageError, StoreError
 from shared.ids import new_sample_id
@@ -450,11 +451,22 @@ class Agent:
         self._uplink_backlogged = True
         self._check_due = True  # something may be due that nobody published yet
         self._switch_interval = SwitchInterval(settings.switch_interval_ms)
+        # Progressive and costly uploads decode in these processes, within a budget;
+        # created by start(), its workers on the first such image.
+        self.decode_pool: DecodePool | None = None
 
     # --- lifecycle -------------------------------------------------------------------
 
     def start(self) -> Agent:
         s = self.settings
+        self.decode_pool = DecodePool(
+            s.decode_workers,
+            budget_s=s.decode_budget_ms / 1000,
+            isolate_cost=s.decode_isolate_cost,
+            max_result_bytes=3 * s.max_pixels,
+            preload=("edge_agent.imaging",),
+            name="agent-decode",
+        )
         self.engine: Engine = self._engine_arg or build_engine(s, active_model_path(s))
         self.spool = Spool(
             s.resolved_spool_path, max_bytes=s.spool_max_bytes, max_samples=s.spool_max_samples
@@ -554,6 +566,8 @@ class Agent:
         self.publisher.stop()
         self.spool.close()
         self.verdicts.close()
+        if self.decode_pool is not None:
+            self.decode_pool.close()
         self._switch_interval.restore()
 
     def __enter__(self) -> Agent:
@@ -577,7 +591,10 @@ class Agent:
     def decode(self, body: bytes) -> DecodedImage:
         """Check and decode an upload (raises ImageRejected naming what is accepted)."""
         return decode_image(
-            body, max_bytes=self.settings.max_image_bytes, max_pixels=self.settings.max_pixels
+            body,
+            max_bytes=self.settings.max_image_bytes,
+            max_pixels=self.settings.max_pixels,
+            pool=self.decode_pool,
         )
 
     def decode_for_model(self, body: bytes) -> ModelFrame:
@@ -587,6 +604,7 @@ class Agent:
             self.engine.input_hw,
             max_bytes=self.settings.max_image_bytes,
             max_pixels=self.settings.max_pixels,
+            pool=self.decode_pool,
         )
 
     def submit(

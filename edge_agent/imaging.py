@@ -10,6 +10,12 @@ is decoded at a half or a quarter of its size by the JPEG decoder itself (far
 cheaper than decoding every pixel and shrinking afterwards), and the frame is
 resized in BGR and only then converted to RGB, at the model's size. Anything
 OpenCV refuses is decoded again by Pillow, whose error says what was wrong.
+
+With a ``DecodePool`` (the agent has one while it runs), the images whose decode
+cost the limits do not bound (progressive JPEGs, many scans) are decoded in its
+worker processes instead, within its time budget: one that runs past it is
+refused with 422 and reason ``image_decode_timeout`` while the other frames are
+answered.
 """
 
 from __future__ import annotations
@@ -22,8 +28,15 @@ import cv2
 import numpy as np
 from PIL import Image
 
-from shared.errors import ImageError, ImageFormatError, JpegScanLimitError
-from shared.images import ImageInfo, check_jpeg_scans, probe_image
+from shared.decode_pool import DecodePool, Decoder
+from shared.errors import (
+    ImageDecodeFailedError,
+    ImageDecodeTimeoutError,
+    ImageError,
+    ImageFormatError,
+    JpegScanLimitError,
+)
+from shared.images import DecodeCost, ImageInfo, decode_cost, probe_image
 
 __all__ = [
     "ACCEPTED",
@@ -71,6 +84,10 @@ class ModelFrame:
 
 def check_upload(data: bytes, *, max_bytes: int, max_pixels: int) -> ImageInfo:
     """The limits, from the byte count and the header alone; raise ImageRejected when over."""
+    return _check(data, max_bytes=max_bytes, max_pixels=max_pixels)[0]
+
+
+def _check(data: bytes, *, max_bytes: int, max_pixels: int) -> tuple[ImageInfo, DecodeCost]:
     if not data:
         raise ImageRejected(f"the request body is empty: send {ACCEPTED}", reason="empty")
     if len(data) > max_bytes:
@@ -81,7 +98,7 @@ def check_upload(data: bytes, *, max_bytes: int, max_pixels: int) -> ImageInfo:
         )
     try:
         info = probe_image(data)
-        check_jpeg_scans(data)
+        cost = decode_cost(data, info)
     except JpegScanLimitError as exc:
         raise ImageRejected(
             f"{exc}; send {ACCEPTED}, baseline or progressive with at most the usual scans",
@@ -99,25 +116,53 @@ def check_upload(data: bytes, *, max_bytes: int, max_pixels: int) -> ImageInfo:
             reason="too_many_pixels",
             status=413,
         )
-    return info
+    return info, cost
 
 
-def decode_image(data: bytes, *, max_bytes: int, max_pixels: int) -> DecodedImage:
-    """Check limits, then decode a JPEG or PNG to RGB; raise ImageRejected with what is accepted."""
-    info = check_upload(data, max_bytes=max_bytes, max_pixels=max_pixels)
+def decode_image(
+    data: bytes, *, max_bytes: int, max_pixels: int, pool: DecodePool | None = None
+) -> DecodedImage:
+    """Check limits, then decode a JPEG or PNG to RGB; raise ImageRejected with what is accepted.
+
+    With a ``pool``, the images it isolates (progressive JPEGs, costly ones) are decoded
+    in its worker processes, within its time budget.
+    """
+    info, cost = _check(data, max_bytes=max_bytes, max_pixels=max_pixels)
+    if pool is not None and pool.isolates(cost):
+        rgb = _isolated(pool, _decode_rgb, data, info)
+    else:
+        rgb = _decode_rgb(data, info)
+    return DecodedImage(rgb=rgb, info=info, encoded=data)
+
+
+def _decode_rgb(data: bytes, info: ImageInfo) -> np.ndarray:
+    """Decode a checked JPEG or PNG to RGB with Pillow (whose errors say what is wrong)."""
     try:
         with warnings.catch_warnings():
             # PIL warns (and our test config turns warnings into errors) on odd metadata.
             warnings.simplefilter("ignore")
             with Image.open(io.BytesIO(data)) as image:
                 image.load()  # raises OSError on a truncated JPEG/PNG
-                rgb = np.asarray(image.convert("RGB"))
+                return np.asarray(image.convert("RGB"))
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
         raise ImageRejected(
             f"the {info.format.upper()} image could not be decoded ({exc}); send {ACCEPTED}",
             reason="truncated" if "truncated" in str(exc) else "undecodable",
         ) from exc
-    return DecodedImage(rgb=rgb, info=info, encoded=data)
+
+
+def _isolated(pool: DecodePool, decoder: Decoder, data: bytes, *args: object) -> np.ndarray:
+    """``decoder(data, *args)`` in the pool; its refusals as ImageRejected (422 past the budget)."""
+    try:
+        return pool.run(decoder, data, *args)
+    except (ImageDecodeTimeoutError, ImageDecodeFailedError) as exc:
+        raise ImageRejected(
+            f"{exc}; send {ACCEPTED} that decodes in the usual time",
+            reason=exc.reason,
+            status=422,
+        ) from exc
+    except ImageError as exc:  # the decoder's own refusal, from its worker process
+        raise ImageRejected(exc.message, reason=exc.reason) from exc
 
 
 def reduction_flag(info: ImageInfo, hw: tuple[int, int]) -> int:
@@ -132,22 +177,34 @@ def reduction_flag(info: ImageInfo, hw: tuple[int, int]) -> int:
 
 
 def decode_for_model(
-    data: bytes, hw: tuple[int, int], *, max_bytes: int, max_pixels: int
+    data: bytes,
+    hw: tuple[int, int],
+    *,
+    max_bytes: int,
+    max_pixels: int,
+    pool: DecodePool | None = None,
 ) -> ModelFrame:
     """Check limits, decode and resize a JPEG or PNG to the model's RGB input.
 
     The one decode path for uploads, shared by the agent and its benchmark baseline.
+    With a ``pool``, the images it isolates are decoded there, within its time budget.
     """
-    info = check_upload(data, max_bytes=max_bytes, max_pixels=max_pixels)
+    info, cost = _check(data, max_bytes=max_bytes, max_pixels=max_pixels)
+    if pool is not None and pool.isolates(cost):
+        return ModelFrame(_isolated(pool, _model_tensor, data, info, hw), info, data)
+    return ModelFrame(_model_tensor(data, info, hw), info, data)
+
+
+def _model_tensor(data: bytes, info: ImageInfo, hw: tuple[int, int]) -> np.ndarray:
+    """Decode a checked JPEG or PNG straight to the model's RGB input."""
     try:
         bgr = cv2.imdecode(np.frombuffer(data, np.uint8), reduction_flag(info, hw))
     except cv2.error:
         bgr = None
     if bgr is None:
         # OpenCV says only "no image": Pillow's decoder names the problem (or succeeds).
-        rgb = decode_image(data, max_bytes=max_bytes, max_pixels=max_pixels).rgb
-        return ModelFrame(resize_for_model(rgb, hw), info, data)
-    return ModelFrame(prepare_bgr(bgr, hw), info, data)
+        return resize_for_model(_decode_rgb(data, info), hw)
+    return prepare_bgr(bgr, hw)
 
 
 def prepare_bgr(bgr: np.ndarray, hw: tuple[int, int]) -> np.ndarray:

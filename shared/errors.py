@@ -20,6 +20,8 @@ they enter our code, with ``raise OurError(...) from exc``.
     │   │   ├── LimitExceededError       header, image bytes or pixel count over a limit
     │   │   └── ImageFormatError         image bytes not a JPEG/PNG matching the header
     │   ├── ImageError               an uploaded image that cannot be decoded
+    │   │   ├── ImageDecodeTimeoutError  its decode ran past the time budget (worker killed)
+    │   │   └── ImageDecodeFailedError   its decoder process died (a decoder crash)
     │   ├── DataError                a dataset (folder of labelled images) unusable
     │   └── ManifestError            a model manifest that cannot be accepted
     │       └── SignatureError           signature missing, malformed or not valid
@@ -41,6 +43,8 @@ __all__ = [
     "DataError",
     "EdgeLoopError",
     "EnvelopeError",
+    "ImageDecodeFailedError",
+    "ImageDecodeTimeoutError",
     "ImageError",
     "ImageFormatError",
     "InvalidIdError",
@@ -141,6 +145,18 @@ class ImageFormatError(EnvelopeError):
 
 class ImageError(ContractError):
     reason = "bad_image"
+
+
+class ImageDecodeTimeoutError(ImageError):
+    """An image whose decode ran past its time budget; the decoding process was killed."""
+
+    reason = "image_decode_timeout"
+
+
+class ImageDecodeFailedError(ImageError):
+    """An image whose decoding process died (a decoder crash) or could not be started."""
+
+    reason = "image_decode_failed"
 
 
 class JpegScanLimitError(ImageFormatError):

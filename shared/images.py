@@ -11,6 +11,15 @@ RSTn) and refuses one with more than ``max_scans`` scans before a decoder sees i
 each progressive scan re-walks every block of the image, so 100k tiny scans in
 2 MB make a decoder spin for minutes. A baseline JPEG has one scan, libjpeg's
 progressive script ten.
+
+``decode_cost`` says which images are decoded in a worker process with a time
+budget (``shared.decode_pool``) and which in-process. A baseline JPEG or a PNG
+costs about one pass over its pixels, so the pixel limit bounds its decode and it
+is decoded in-process, where it is cheapest. A progressive JPEG (SOF2/6/10/14) is
+re-walked by every scan and libjpeg keeps every coefficient of the image while it
+does; its cost is not bounded by the pixel limit, so it always goes to the pool,
+as does any image whose pixels times scans is over the caller's ``max_cost``
+(a baseline JPEG split into many scans).
 """
 
 from __future__ import annotations
@@ -23,7 +32,16 @@ from typing import Literal
 
 from shared.errors import ImageFormatError, JpegScanLimitError
 
-__all__ = ["MAX_JPEG_SCANS", "ImageFormat", "ImageInfo", "check_jpeg_scans", "probe_image"]
+__all__ = [
+    "DEFAULT_ISOLATE_COST",
+    "MAX_JPEG_SCANS",
+    "DecodeCost",
+    "ImageFormat",
+    "ImageInfo",
+    "check_jpeg_scans",
+    "decode_cost",
+    "probe_image",
+]
 
 ImageFormat = Literal["jpeg", "png"]
 
@@ -38,7 +56,12 @@ _JPEG_STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})
 _JPEG_NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
 _JPEG_SOS = 0xDA
 _JPEG_EOI = 0xD9
+# Progressive start-of-frame markers (Huffman and arithmetic, sequential and differential).
+_JPEG_PROGRESSIVE_SOF = frozenset({0xC2, 0xC6, 0xCA, 0xCE})
 MAX_JPEG_SCANS = 64
+# Pixels times scans above which even a baseline image goes to the decode pool: four
+# passes over an image at the default pixel limit.
+DEFAULT_ISOLATE_COST = 16_000_000
 
 
 @dataclass(frozen=True)
@@ -53,6 +76,32 @@ class ImageInfo:
     def pixels(self) -> int:
         """Number of pixels (width times height)."""
         return self.width * self.height
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """What decoding an image costs, estimated from its markers: its pixels times its scans."""
+
+    pixels: int
+    scans: int
+    progressive: bool
+
+    @property
+    def units(self) -> int:
+        """Pixels times scans (one scan for a PNG)."""
+        return self.pixels * max(1, self.scans)
+
+    def isolate(self, max_cost: int) -> bool:
+        """Whether to decode in a budgeted worker process: progressive, or over ``max_cost``."""
+        return self.progressive or self.units > max_cost
+
+
+def decode_cost(data: bytes, info: ImageInfo, *, max_scans: int = MAX_JPEG_SCANS) -> DecodeCost:
+    """The decode cost of a probed image; JpegScanLimitError past ``max_scans`` scans."""
+    if info.format != "jpeg":
+        return DecodeCost(info.pixels, 1, False)
+    scans, progressive = _walk_jpeg(data, max_scans)
+    return DecodeCost(info.pixels, scans, progressive)
 
 
 def probe_image(data: bytes) -> ImageInfo:
@@ -127,10 +176,15 @@ def check_jpeg_scans(data: bytes, *, max_scans: int = MAX_JPEG_SCANS) -> int:
     ImageFormatError. A stream cut short returns the scans seen: the decoder
     refuses the truncation itself.
     """
+    return _walk_jpeg(data, max_scans)[0]
+
+
+def _walk_jpeg(data: bytes, max_scans: int) -> tuple[int, bool]:
+    """(scans, whether the frame is progressive) of a JPEG; (0, False) for other bytes."""
     view = memoryview(data)
     if view[:2] != b"\xff\xd8":
-        return 0
-    pos, end, scans = 2, len(view), 0
+        return 0, False
+    pos, end, scans, progressive = 2, len(view), 0, False
     while pos < end:
         if view[pos] != 0xFF:
             raise ImageFormatError(f"JPEG image is malformed: expected a marker at byte {pos}")
@@ -152,6 +206,8 @@ def check_jpeg_scans(data: bytes, *, max_scans: int = MAX_JPEG_SCANS) -> int:
         if length < 2:
             raise ImageFormatError(f"JPEG marker 0x{marker:02X} has an invalid length {length}")
         pos += length
+        if marker in _JPEG_PROGRESSIVE_SOF:
+            progressive = True
         if marker == _JPEG_SOS:
             scans += 1
             if scans > max_scans:
@@ -163,4 +219,4 @@ def check_jpeg_scans(data: bytes, *, max_scans: int = MAX_JPEG_SCANS) -> int:
             if found is None:
                 break
             pos = found.start()
-    return scans
+    return scans, progressive
