@@ -3,8 +3,8 @@
 - ``RateLimiter``: a token bucket per (route group, client). Groups: ``enroll``
   (``POST /v1/enroll``, ``/v1/enrollment-tokens``), ``login`` (``POST /ui/login``) and
   ``upload`` (``POST /v1/models``, ``/v2/models/*/infer``, labels). The client is the
-  peer address (``scope["client"]``; behind a proxy, let the server rewrite it from
-  trusted forwarding headers, e.g. uvicorn's ``--forwarded-allow-ips``). A request
+  peer address (``scope["client"]``; behind a reverse proxy listed in
+  ``settings.trusted_proxies``, the address it forwards: shared/http_limits.py). A request
   whose bearer token authenticates (the admin token, an enrolled agent's API token)
   is charged to that principal instead, so agents behind one NAT do not starve each
   other; a token that does not authenticate is charged to the address, so inventing
@@ -13,39 +13,56 @@
   own inline bootstrap scripts, no inline styles, no framing), ``nosniff``,
   ``X-Frame-Options: DENY``, ``Referrer-Policy: no-referrer``, no caching of API answers.
 
-Both are plain ASGI middleware (no per-request task switching of BaseHTTPMiddleware).
+- ``CredentialGate``: the gate of ``shared.http_limits.HttpLimitsMiddleware``; a request
+  to a route that needs credentials is refused before its body is read when it carries
+  none that pass (the route's own dependency still checks in full); /v2, the API docs
+  and /metrics need credentials as the settings say (``v2_auth``, ``docs_public``,
+  ``metrics_auth``).
+- Cookies are marked ``Secure`` when the settings say so (``cookie_secure``) or the
+  request came over HTTPS (directly, or through a trusted proxy).
+
+All are plain ASGI middleware (no per-request task switching of BaseHTTPMiddleware).
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
+import logging
 import math
 import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from prometheus_client import Counter
 from starlette.concurrency import run_in_threadpool
 
+from cloud_service.ui.auth import SESSION_COOKIE
+from shared.http_limits import Refusal
+
 __all__ = [
+    "DOCS_PATHS",
     "Authenticate",
+    "CredentialGate",
     "RateLimitMiddleware",
     "RateLimiter",
     "SecurityHeadersMiddleware",
     "content_policy",
 ]
 
-Scope = dict[str, Any]
+Scope = MutableMapping[str, Any]
 Receive = Callable[[], Any]
 Send = Callable[[dict[str, Any]], Any]
 ASGIApp = Callable[[Scope, Receive, Send], Any]
 Authenticate = Callable[[str], str | None]
 """A bearer token to the principal it authenticates ("admin", "agent:fleet/id"), else None."""
+
+log = logging.getLogger(__name__)
 
 _TEMPLATES = Path(__file__).parent / "ui" / "templates"
 _INLINE_SCRIPT = re.compile(r"<script>(.*?)</script>", re.S)
@@ -74,10 +91,12 @@ def content_policy() -> str:
 
 
 class SecurityHeadersMiddleware:
-    """Adds the security headers to every HTTP response."""
+    """Adds the security headers to every HTTP response; marks cookies ``Secure`` when
+    ``secure_cookies`` or when the request came over HTTPS."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, *, secure_cookies: bool = False) -> None:
         self.app = app
+        self.secure_cookies = secure_cookies
         self.headers = [
             (b"content-security-policy", content_policy().encode()),
             (b"x-content-type-options", b"nosniff"),
@@ -92,17 +111,27 @@ class SecurityHeadersMiddleware:
             await self.app(scope, receive, send)
             return
         path: str = scope.get("path", "")
+        secure = self.secure_cookies or scope.get("scheme") == "https"
 
         async def send_with_headers(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
-                present = {k.lower() for k, _ in message.get("headers", [])}
+                headers = list(message.get("headers", []))
+                present = {k.lower() for k, _ in headers}
                 extra = [(k, v) for k, v in self.headers if k not in present]
                 if path.startswith(("/v1/", "/v2/")) and b"cache-control" not in present:
                     extra.append((b"cache-control", b"no-store"))
-                message["headers"] = [*message.get("headers", []), *extra]
+                if secure and b"set-cookie" in present:
+                    headers = [_secured(k, v) for k, v in headers]
+                message["headers"] = [*headers, *extra]
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
+
+
+def _secured(name: bytes, value: bytes) -> tuple[bytes, bytes]:
+    if name.lower() != b"set-cookie" or re.search(rb";\s*secure\s*(;|$)", value, re.I):
+        return name, value
+    return name, value + b"; Secure"
 
 
 class RateLimiter:
@@ -230,3 +259,173 @@ async def _too_many(send: Send, group: str, wait: float) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+# --- credentials before the body (shared/http_limits.py HttpLimitsMiddleware's gate) ---
+
+AuthKind = Literal["admin", "agent_or_admin", "session", "docs", "metrics"]
+DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+
+
+def route_auth_kind(route: Any) -> AuthKind | None:
+    """The credential a route's dependencies ask for, else None."""
+    from cloud_service.api.deps import require_admin, require_agent_or_admin
+    from cloud_service.ui.deps import admin_user, check_csrf, current_user
+
+    kinds: dict[Any, AuthKind] = {
+        require_admin: "admin",
+        require_agent_or_admin: "agent_or_admin",
+        current_user: "session",
+        admin_user: "session",
+        check_csrf: "session",
+    }
+
+    def needed(dependant: Any) -> AuthKind | None:
+        found = kinds.get(dependant.call)
+        if found is not None:
+            return found
+        for child in dependant.dependencies:
+            found = needed(child)
+            if found is not None:
+                return found
+        return None
+
+    dependant = getattr(route, "dependant", None)
+    return None if dependant is None else needed(dependant)
+
+
+class CredentialGate:
+    """Refuses a request whose route needs credentials it does not carry, before its body
+    is read: the admin token, an agent's API token, or a signed UI session cookie, as the
+    route's own dependency asks for (which still checks in full afterwards). /v2, the API
+    docs and /metrics are refused here alone, as the settings say.
+
+    ``principal`` (blocking; run in a worker thread) names who a bearer token is.
+    """
+
+    def __init__(
+        self,
+        *,
+        admin_token: str,
+        principal: Authenticate,
+        session_valid: Callable[[str], bool],
+        v2_auth: bool,
+        docs_public: bool,
+        metrics_auth: bool,
+        metrics_token: str | None = None,
+    ) -> None:
+        self.admin_token = admin_token.encode()
+        self.metrics_token = metrics_token.encode() if metrics_token else None
+        self.principal = principal
+        self.session_valid = session_valid
+        self.v2_auth = v2_auth
+        self.docs_public = docs_public
+        self.metrics_auth = metrics_auth
+        self._kinds: dict[int, AuthKind | None] = {}
+
+    def path_kind(self, scope: Scope) -> AuthKind | None:
+        """What a path needs whatever its route: /v2, the docs, /metrics."""
+        path: str = scope.get("path", "")
+        if path in DOCS_PATHS:
+            return None if self.docs_public else "docs"
+        if path == "/metrics":
+            return "metrics" if self.metrics_auth else None
+        if path == "/v2" or path.startswith("/v2/"):
+            return "agent_or_admin" if self.v2_auth else None
+        return None
+
+    def route_kind(self, scope: Scope) -> AuthKind | None:
+        """What the matched route (``scope["route"]``, set by routing) asks for."""
+        route = scope.get("route")
+        if route is None:
+            return None
+        key = id(route)
+        if key not in self._kinds:
+            self._kinds[key] = route_auth_kind(route)
+        return self._kinds[key]
+
+    def _is_admin(self, token: str | None) -> bool:
+        return token is not None and hmac.compare_digest(token.encode(), self.admin_token)
+
+    async def allowed(self, kind: AuthKind, scope: Scope) -> bool:
+        token = _bearer_token(scope)
+        if kind == "session":
+            return self.session_valid(_cookie(scope, SESSION_COOKIE) or "")
+        if self._is_admin(token):
+            return True
+        if kind == "docs":
+            return self.session_valid(_cookie(scope, SESSION_COOKIE) or "")
+        if kind == "metrics":
+            expected = self.metrics_token
+            return bool(token and expected and hmac.compare_digest(token.encode(), expected))
+        if kind == "agent_or_admin" and token:
+            return await run_in_threadpool(self.principal, token) is not None
+        return False
+
+    async def __call__(self, scope: Scope) -> Refusal | None:
+        """Up front, for the paths that need credentials whatever their route."""
+        return await self._check(self.path_kind(scope), scope)
+
+    async def before_body(self, scope: Scope) -> Refusal | None:
+        """When the matched route first reads the body."""
+        return await self._check(self.route_kind(scope), scope)
+
+    async def _check(self, kind: AuthKind | None, scope: Scope) -> Refusal | None:
+        if kind is None:
+            return None
+        try:
+            if await self.allowed(kind, scope):
+                return None
+        except Exception as exc:  # the credential store is away
+            log.warning("could not check credentials before the body: %s", exc)
+            return Refusal(
+                503,
+                {"detail": "credentials cannot be checked now; retry", "reason": "unavailable"},
+                ((b"retry-after", b"5"),),
+            )
+        return _unauthenticated(kind, scope)
+
+
+_BEARER = ((b"www-authenticate", b"Bearer"),)
+_NEEDS = {
+    "admin": "this endpoint needs the admin token: send 'Authorization: Bearer <token>'",
+    "agent_or_admin": "send 'Authorization: Bearer <token>': the agent's API token or the admin's",
+    "docs": "the API documentation needs the admin token or a signed-in review UI session",
+    "metrics": "/metrics needs the metrics token (or the admin token) as a bearer token",
+}
+
+
+def _unauthenticated(kind: AuthKind, scope: Scope) -> Refusal:
+    path: str = scope.get("path", "")
+    if kind == "session":
+        accept = (_header(scope, b"accept") or b"").decode("latin-1")
+        if path.startswith("/ui/api/") or "application/json" in accept:
+            body = {"detail": "your session expired or you are not signed in", "reason": "login"}
+            return Refusal(401, body)
+        # A page's form: to the login page, as the UI's own handler sends it.
+        return Refusal(
+            303,
+            {"detail": "sign in first", "reason": "login"},
+            ((b"location", b"/ui/login?next=/ui/queue"),),
+        )
+    message = _NEEDS[kind]
+    if path == "/v2" or path.startswith("/v2/"):
+        return Refusal(401, {"error": message}, _BEARER)
+    return Refusal(401, {"detail": message, "reason": "unauthorized"}, _BEARER)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return bytes(value)
+    return None
+
+
+def _cookie(scope: Scope, name: str) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key == b"cookie":
+            for part in value.decode("latin-1").split(";"):
+                cookie_name, _, cookie_value = part.strip().partition("=")
+                if cookie_name == name:
+                    return cookie_value
+    return None

@@ -37,6 +37,7 @@ from cloud_service.settings import CloudSettings
 from cloud_service.worker import VerifierWorker
 from shared.console import configure_logging
 from shared.errors import ConfigError
+from shared.http_limits import server_config
 from shared.mqtt import negotiate_protocol
 
 __all__ = [
@@ -56,8 +57,14 @@ def _serve(app: FastAPI, host: str, port: int, log_level: str) -> None:
     # handler that was there before it; a no-op one here lets us return and run
     # the verifier's own orderly stop instead of dying on the default handler.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level.lower(), access_log=False
+    settings: CloudSettings = app.state.edgeloop.settings
+    config = server_config(
+        app,
+        host=host,
+        port=port,
+        limits=settings.http_server_limits,
+        log_level=log_level.lower(),
+        access_log=False,
     )
     uvicorn.Server(config).run()
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +23,7 @@ from cloud_service.errors import AuthError, ConflictError, ForbiddenError, NotFo
 from cloud_service.metrics import CloudMetrics
 from cloud_service.settings import CloudSettings
 from shared.errors import ContractError, EdgeLoopError, ModelError, StoreError
+from shared.http_limits import BodyRule, HttpLimitsMiddleware, TrustedProxyMiddleware
 
 if TYPE_CHECKING:
     from cloud_service.worker import VerifierWorker
@@ -109,7 +110,9 @@ def create_app(
         if not health_only and settings.rollout_tick_s > 0:
             from cloud_service.rollout import RolloutLoop
 
-            loop = RolloutLoop(state, settings.rollout_tick_s).start()
+            loop = RolloutLoop(
+                state, settings.rollout_tick_s, ttl=settings.announcement_ttl
+            ).start()
         scheduler = None
         if not health_only and settings.rollout_tick_s > 0:
             from distill.schedules import SchedulerLoop
@@ -157,6 +160,7 @@ def create_app(
             log.warning("rate limiter could not authenticate a bearer token: %s", exc)
             return None
 
+    _add_http_limits(app, state)
     burst = settings.rate_limit_burst
     app.add_middleware(
         RateLimitMiddleware,
@@ -168,7 +172,9 @@ def create_app(
         refused=state.metrics.rate_limited,
         authenticate=authenticate,
     )
-    app.add_middleware(SecurityHeadersMiddleware)
+    app.add_middleware(
+        SecurityHeadersMiddleware, secure_cookies=settings.resolved_cookie_secure is True
+    )
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next):  # type: ignore[no-untyped-def]
@@ -178,4 +184,60 @@ def create_app(
         state.metrics.http_requests.labels(request.method, path, str(response.status_code)).inc()
         return response
 
+    # Outermost: every layer inside sees the client address a trusted proxy forwarded.
+    app.add_middleware(TrustedProxyMiddleware, trusted=settings.trusted_proxies)
     return app
+
+
+_V2_INFER = r"/v2/models/[^/]+(/versions/[^/]+)?/infer"
+
+
+def _refusal_body(
+    scope: MutableMapping[str, Any], status: int, message: str, reason: str, extra: dict[str, Any]
+) -> dict[str, Any]:
+    # Every /v2 answer carries its error as "error", which V2 clients read.
+    key = "error" if scope.get("path", "").startswith("/v2") else "detail"
+    return {key: message, "reason": reason, **extra}
+
+
+def _add_http_limits(app: FastAPI, state: ApiState) -> None:
+    """Body limits per route and credentials before bodies (shared/http_limits.py)."""
+    from cloud_service.api.deps import bearer_principal
+    from cloud_service.api.routes.v2 import MAX_BODY_BYTES
+    from cloud_service.security import CredentialGate
+    from cloud_service.ui.auth import SessionSigner
+
+    settings = state.settings
+    signer = SessionSigner(settings.session_secret.get_secret_value())
+    metrics_token = settings.metrics_token.get_secret_value() if settings.metrics_token else None
+    gate = CredentialGate(
+        admin_token=settings.admin_token.get_secret_value(),
+        principal=lambda token: bearer_principal(state, token),
+        session_valid=lambda cookie: signer.load(cookie) is not None,
+        v2_auth=settings.resolved_v2_auth,
+        docs_public=settings.resolved_docs_public,
+        metrics_auth=settings.resolved_metrics_auth,
+        metrics_token=metrics_token,
+    )
+    app.add_middleware(
+        HttpLimitsMiddleware,
+        default_max_bytes=settings.http_max_body_bytes,
+        default_accepts="a JSON body or a form",
+        rules=[
+            BodyRule(
+                r"/v1/models",
+                settings.http_max_model_bytes,
+                "multipart/form-data with a 'file' part (the ONNX model), or JSON {\"path\": ...}",
+                methods=frozenset({"POST"}),
+            ),
+            BodyRule(
+                _V2_INFER,
+                settings.http_max_infer_bytes or MAX_BODY_BYTES,
+                "a KServe V2 infer request: JSON, or a JSON header and binary tensors",
+                methods=frozenset({"POST"}),
+            ),
+        ],
+        gate=gate,
+        body_gate=gate.before_body,
+        render=_refusal_body,
+    )

@@ -10,7 +10,9 @@ micro-batcher; the answers come back to the event loop as ready-made JSON bytes,
 with one cross-thread wake-up for all the answers of a batch, and one timer for
 the timeouts of all waiting uploads. Multipart uploads and refusals of other
 content types go through the FastAPI route. Both share one rate limit: over it,
-a 429 with ``Retry-After``.
+a 429 with ``Retry-After``. In front of both, ``shared.http_limits`` holds every
+route's body to its limit before it is read, refuses control characters in the
+path and query, and the server closes connections whose request head is slow.
 """
 
 from __future__ import annotations
@@ -33,11 +35,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from edge_agent.batcher import WorkerPool
 from edge_agent.imaging import ACCEPTED, ACCEPTED_CONTENT_TYPES, ImageRejected
+from edge_agent.localauth import bearer_refusal
 from edge_agent.sources import RateLimiter
 from shared.errors import EdgeLoopError, TransportError
+from shared.http_limits import BodyRule, HttpLimitsMiddleware, ServerLimits, server_config
 
 if TYPE_CHECKING:
     from edge_agent.agent import Agent, FrameResult
+    from edge_agent.settings import AgentSettings
 
 __all__ = ["AgentApi", "ApiServer", "create_app"]
 
@@ -230,8 +235,18 @@ class AgentApi(FastAPI):
     """The agent's FastAPI app; ``POST /v1/frames`` with a JPEG/PNG body skips its stack."""
 
     frames: _Frames | None = None
+    # The body limits and request hygiene every route gets first (shared/http_limits.py).
+    guard: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        guard = self.guard
+        if guard is not None:
+            await guard(scope, receive, send)
+        else:
+            await self.dispatch(scope, receive, send)
+
+    async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app behind the guard: the raw-body fast path, else FastAPI."""
         frames = self.frames
         if (
             frames is not None
@@ -337,6 +352,20 @@ def create_app(agent: Agent) -> AgentApi:
     app = AgentApi(title="EdgeLoop edge agent", version="1")
     frames = _Frames(agent)
     app.frames = frames
+    app.guard = HttpLimitsMiddleware(
+        app.dispatch,
+        default_max_bytes=agent.settings.http_max_body_bytes,
+        default_accepts="no body, or a small JSON body",
+        rules=[
+            BodyRule(
+                r"/v1/frames",
+                frames.max_bytes + _HEADER_SLACK,
+                ACCEPTED + ", or multipart/form-data with one file part",
+                methods=frozenset({"POST"}),
+            )
+        ],
+        on_refusal=frames.count_refusal,
+    )
 
     def refused(status: int, message: str, reason: str) -> JSONResponse:
         frames.count_refusal(reason)
@@ -402,6 +431,13 @@ def create_app(agent: Agent) -> AgentApi:
         cross_site = _cross_site(request)
         if cross_site is not None:
             return _refuse(403, cross_site, "cross_site")
+        unauthorized = await run_in_threadpool(
+            bearer_refusal, request.headers.get("authorization"), agent.settings
+        )
+        if unauthorized is not None:
+            response = _refuse(401, unauthorized, "unauthorized")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
         try:
             result = await run_in_threadpool(agent.updater.rollback)
         except EdgeLoopError as exc:
@@ -445,25 +481,46 @@ async def _file_from_form(request: Request, max_bytes: int) -> bytes | JSONRespo
         await form.close()
 
 
+def server_limits(settings: AgentSettings) -> ServerLimits:
+    """The local API server's connection limits from the agent's settings."""
+    return ServerLimits(
+        header_timeout_s=settings.http_header_timeout_s,
+        keep_alive_s=settings.http_keep_alive_s,
+        limit_concurrency=settings.http_limit_concurrency,
+        backlog=settings.http_backlog,
+        max_head_bytes=settings.http_max_head_bytes,
+    )
+
+
 class ApiServer:
     """uvicorn serving the agent's app in a named thread: ``with ApiServer(app, port=0) as s``."""
 
-    def __init__(self, app: ASGIApp, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: ServerLimits | None = None,
+    ) -> None:
         import uvicorn
 
         from shared.broker import free_port
 
         self.host = host
         self.port = port or free_port(host)
-        config = uvicorn.Config(
+        if limits is None and isinstance(app, AgentApi) and app.frames is not None:
+            limits = server_limits(app.frames.agent.settings)
+        config = server_config(
             app,
             host=host,
             port=self.port,
+            limits=limits or ServerLimits(),
             log_level="warning",
             access_log=False,
             lifespan="off",
-            # A local API: no proxy in front, and no Server/Date headers to format per answer.
-            proxy_headers=False,
+            # A local API: no proxy in front (server_config leaves forwarding headers
+            # alone), and no Server/Date headers to format per answer.
             server_header=False,
             date_header=False,
         )
