@@ -6,6 +6,7 @@ import logging
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -32,6 +33,7 @@ app.add_typer(tokens_app, name="tokens")
 users_app = typer.Typer(help="Users of the review UI (admin, reviewer).", no_args_is_help=True)
 app.add_typer(users_app, name="users")
 
+log = logging.getLogger(__name__)
 HostOption = typer.Option(None, "--host", help="Address to listen on (settings: http_host).")
 
 
@@ -58,10 +60,13 @@ def _serve(
 ) -> None:
     from cloud_service import service
 
+    if host is not None:  # through the settings, so the production checks see the address
+        overrides["http_host"] = host
     settings = load_settings(CloudSettings, config, **overrides)
     _quiet_migrations()
+    _warn_if_anonymous_broker(settings)
     default_port = settings.http_port + (1 if which == "verifier" else 0)
-    host, port = host or settings.http_host, default_port if port is None else port
+    host, port = settings.http_host, default_port if port is None else port
     try:
         if which == "verifier":
             count = settings.verifier_workers if workers is None else workers
@@ -70,6 +75,17 @@ def _serve(
             {"api": service.run_api, "all": service.run_all}[which](settings, host=host, port=port)
     except EdgeLoopError as exc:
         fail(exc.message)
+
+
+def _warn_if_anonymous_broker(settings: CloudSettings) -> None:
+    """Say loudly that a broker without per-agent identities is for development only."""
+    if not settings.broker_auth:
+        log.warning(
+            "BROKER IS ANONYMOUS (development only): broker_auth is off, so enrolled agents "
+            "get no broker credentials and any client that reaches the broker may read and "
+            "forge samples, receipts and verdicts; set EDGELOOP_BROKER_AUTH=true with "
+            "`cloud-service broker-config` for per-agent identities"
+        )
 
 
 @app.command("api")
@@ -278,36 +294,57 @@ def run_embedded_broker(
 def broker_config_command(
     out: Path = typer.Option(..., "--out", help="Folder for mosquitto.conf, passwd, acl, certs."),
     dev_ca: bool = typer.Option(False, "--dev-ca", help="Generate a development CA and cert."),
-    port: int = typer.Option(8883, "--port", help="TLS listener port."),
-    host: str = typer.Option("0.0.0.0", "--host", help="TLS listener address."),
+    port: int = typer.Option(8883, "--port", help="The agents' TLS listener port."),
+    host: str = typer.Option("0.0.0.0", "--host", help="Address of the TLS listeners."),
+    service_port: int = typer.Option(
+        8884, "--service-port", help="The services' TLS listener port (0: none)."
+    ),
     plain_port: int | None = typer.Option(
-        None, "--plain-port", help="Also a plaintext listener on 127.0.0.1 (same users/ACLs)."
+        None, "--plain-port", help="Also a plaintext listener on 127.0.0.1 for the services."
+    ),
+    max_queued_messages: int = typer.Option(
+        100_000, "--max-queued-messages", min=1, help="QoS 1 messages queued per client."
+    ),
+    max_queued_bytes: int = typer.Option(
+        512 * 1024 * 1024, "--max-queued-bytes", min=1, help="Payload bytes queued per client."
     ),
     config: Path | None = ConfigOption,
     as_json: bool = JsonOption,
 ) -> None:
-    """Write a Mosquitto configuration: TLS listener, password file, per-agent ACLs."""
-    from cloud_service.brokerconf import write_broker_config
+    """Write a Mosquitto configuration: TLS listeners, password files, per-agent ACLs."""
+    from cloud_service.brokerconf import max_packet_size, service_files, write_broker_config
 
     settings = load_settings(CloudSettings, config)
+    packet_limit = max_packet_size(settings.max_header_bytes, settings.max_image_bytes)
     try:
         files = write_broker_config(
             out,
             topics=settings.topics,
             tls_port=port,
             host=host,
+            service_port=service_port or None,
             plain_port=plain_port,
             dev_ca=dev_ca,
+            max_queued_messages=max_queued_messages,
+            max_queued_bytes=max_queued_bytes,
+            packet_limit=packet_limit,
         )
     except EdgeLoopError as exc:
         fail(exc.message)
     folder = files.password_file.parent
-    view = {
+    services = service_files(folder)
+    view: dict[str, Any] = {
         "config": str(folder / "mosquitto.conf"),
         "password_file": str(files.password_file),
         "acl_file": str(files.acl_file),
+        "service_password_file": str(services.password_file),
+        "service_acl_file": str(services.acl_file),
         "pid_file": str(files.pid_file),
         "ca_file": str(folder / "ca.crt"),
+        "agent_port": port,
+        "service_port": service_port or None,
+        "plain_port": plain_port,
+        "max_packet_size": packet_limit,
         "service_credentials": [str(folder / "verifier.env"), str(folder / "api.env")],
         "api_settings": {"broker_auth": True, "broker_config_dir": str(folder)},
     }
@@ -315,9 +352,21 @@ def broker_config_command(
         print_json(view)
         return
     console.print(f"wrote {view['config']} (run: mosquitto -c {view['config']})")
+    console.print(
+        f"agents connect to port {port} (TLS); the services to "
+        + " or ".join(
+            x
+            for x in (
+                f"port {service_port} (TLS)" if service_port else "",
+                f"127.0.0.1:{plain_port} (plaintext)" if plain_port else "",
+            )
+            if x
+        )
+    )
     console.print(f"service credentials (mode 0600): {', '.join(view['service_credentials'])}")
     console.print(
-        f"set EDGELOOP_BROKER_AUTH=true and EDGELOOP_BROKER_CONFIG_DIR={folder} on the API"
+        f"set EDGELOOP_BROKER_AUTH=true and EDGELOOP_BROKER_CONFIG_DIR={folder} on the API, "
+        f"and EDGELOOP_AGENT_MQTT_URL=mqtts://<this host>:{port}"
     )
 
 

@@ -9,6 +9,7 @@ credentials), which ``AgentSettings.load`` reads.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ import httpx
 from shared.errors import ConfigError, TransportError
 
 __all__ = ["enroll", "write_config"]
+
+log = logging.getLogger(__name__)
 
 _REQUIRED = (
     "agent_id",
@@ -60,6 +63,11 @@ def enroll(
     missing = [key for key in _REQUIRED if not data.get(key)]
     if not isinstance(data, dict) or missing:
         raise ConfigError(f"enrollment answer from {url} lacks {missing}")
+    if not data.get("mqtt_username"):
+        log.warning(
+            "the cloud issued NO broker credentials: this agent will reach the broker "
+            "anonymously, which is for development only (the cloud runs with broker_auth off)"
+        )
     data["cloud_url"] = cloud_url
     return data
 

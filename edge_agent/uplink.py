@@ -9,6 +9,12 @@ only enqueues and wakes that thread. While disconnected the outbox is emptied:
 samples come back from the spool (``on_connect`` makes them all due again),
 heartbeats are re-sent anyway.
 
+With ``protocol=None`` the link asks for MQTT v5 on its own connection and falls
+back to 3.1.1 when the broker refuses v5 or drops the connection unanswered. It
+never probes with a second connection: a broker that names each agent's session
+after its user (``use_username_as_clientid``) would give that probe the agent's
+session, and its clean start would discard what was queued for the agent.
+
 The thread runs paho's external-loop API (``loop_read``, ``loop_write``,
 ``loop_misc``) on its own ``select``. A publish on an idle link wakes it at once
 through the link's socket pair; while a publish awaits its PUBACK, that PUBACK
@@ -40,11 +46,14 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from shared.errors import TransportError
-from shared.mqtt import MqttTarget, ProtocolName, make_client, negotiate_protocol
+from shared.mqtt import MqttTarget, ProtocolName, make_client
 
 __all__ = ["Backoff", "MqttLink", "Publisher"]
 
 log = logging.getLogger(__name__)
+_UNSUPPORTED_VERSION = 0x84  # CONNACK: the broker does not speak the protocol version asked
+# A broker that does not speak v5 may neither answer nor close (amqtt waits for more bytes).
+_V5_ANSWER_TIMEOUT_S = 5.0
 
 MessageHandler = Callable[[str, bytes], None]
 
@@ -112,7 +121,9 @@ class MqttLink:
         self.client_id = client_id
         self.subscriptions = subscriptions
         self.will = will
-        self.protocol = protocol  # None: negotiate on the first connection
+        self.protocol = protocol  # None: found on the first connection that is answered
+        self._trying: ProtocolName = protocol or "5"
+        self._answered = False  # this connection got a CONNACK
         self.keepalive_s = keepalive_s
         self.session_expiry_s = session_expiry_s
         self.ca_file = ca_file
@@ -224,11 +235,11 @@ class MqttLink:
         return client
 
     def _connect(self) -> mqtt.Client:
-        if self.protocol is None:
-            self.protocol = negotiate_protocol(self.target, timeout=5.0)
-        client = self._client or self._build(self.protocol)
+        self._trying = self.protocol or self._trying
+        client = self._client or self._build(self._trying)
         self._client = client
-        if self.protocol == "5":
+        self._answered = False
+        if self._trying == "5":
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = self.session_expiry_s
             client.connect(
@@ -258,6 +269,8 @@ class MqttLink:
                 self._sleep(delay)
                 continue
             self._serve(client)
+            if self.protocol is None and self._trying == "5" and not self._answered:
+                self._fall_back("the broker closed the connection without answering MQTT v5")
             self._connected.clear()
             self._outbox.clear()
             if not self._stopping.is_set():
@@ -275,7 +288,12 @@ class MqttLink:
 
     def _serve(self, client: mqtt.Client) -> None:
         """Run the socket until it drops or stop() is called (see the module docstring)."""
+        answer_by = time.monotonic() + _V5_ANSWER_TIMEOUT_S
         while not self._stopping.is_set():
+            if self.protocol is None and not self._answered and time.monotonic() > answer_by:
+                self.last_error = "no answer to MQTT v5"
+                self._abandon(client)
+                return
             if self._connected.is_set():
                 while self._outbox:
                     topic, payload, qos, retain = self._outbox.popleft()
@@ -312,13 +330,31 @@ class MqttLink:
                 self.last_error = mqtt.error_string(rc)
                 return
 
+    def _abandon(self, client: mqtt.Client) -> None:
+        """Close a connection the broker never answered (the client is not used again)."""
+        sock = client.socket()
+        with contextlib.suppress(OSError, AttributeError):
+            if sock is not None:
+                sock.close()
+
+    def _fall_back(self, why: str) -> None:
+        """Use MQTT 3.1.1 from the next connection on (a fresh client of that version)."""
+        log.info("%s: using MQTT 3.1.1", why)
+        self.protocol = self._trying = "3.1.1"
+        self._client = None
+
     def _handle_connect(
         self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
     ) -> None:
+        self._answered = True
         if getattr(reason, "is_failure", False):
+            if self.protocol is None and getattr(reason, "value", None) == _UNSUPPORTED_VERSION:
+                self._fall_back("the broker does not speak MQTT v5")
+                return
             self.last_error = f"broker refused the connection: {reason}"
             log.warning("%s", self.last_error)
             return
+        self.protocol = self._trying
         for topic in self.subscriptions:
             client.subscribe(topic, qos=1)
         self.connects += 1

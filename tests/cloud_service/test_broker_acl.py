@@ -8,6 +8,7 @@ the broker picks up on SIGHUP without a restart.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import ssl
 import subprocess
@@ -21,6 +22,8 @@ from typing import Any
 import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from cloud_service.api import create_app
 from cloud_service.brokerconf import (
@@ -47,22 +50,26 @@ TOPICS = Topics(prefix="edgeloop/v1")
 class SecureBroker:
     """A Mosquitto running the generated configuration on free ports."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, **limits: Any) -> None:
         if not Path(MOSQUITTO).exists():
             pytest.skip("mosquitto is not installed")
         self.folder = folder
-        self.tls_port = free_port()
-        self.plain_port = free_port()
+        self.tls_port = free_port()  # agents
+        self.service_port = free_port()  # services, TLS
+        self.plain_port = free_port()  # services, loopback plaintext
         self.passwords = {"edgeloop-verifier": "verifier-pw", "edgeloop-api": "api-pw"}
         self.files = write_broker_config(
             folder,
             topics=TOPICS,
             tls_port=self.tls_port,
             host="127.0.0.1",
+            service_port=self.service_port,
             plain_port=self.plain_port,
             dev_ca=True,
             service_passwords=self.passwords,
+            **limits,
         )
+        self.ca_file = folder / "ca.crt"
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -72,7 +79,7 @@ class SecureBroker:
             stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10
-        while not (self.folder / "mosquitto.pid").exists() or not _answers(self.plain_port):
+        while not (self.folder / "mosquitto.pid").exists() or not _answers(self.tls_port):
             if time.monotonic() > deadline or self.process.poll() is not None:
                 log = (self.folder / "mosquitto.log").read_text(errors="replace")
                 raise RuntimeError(f"mosquitto did not start: {log[-2000:]}")
@@ -115,15 +122,19 @@ class Client:
         *,
         ca_file: Path | None = None,
         timeout: float = 5.0,
+        client_id: str | None = None,
+        session_expiry_s: int = 0,
     ) -> None:
         self.received: list[tuple[str, bytes]] = []
+        self.disconnects: list[Any] = []  # reason codes, in order
+        self.puback: dict[int, Any] = {}  # mid -> the broker's PUBACK reason code
         self.connected = threading.Event()
         self.answered = threading.Event()
         self.suback: list[Any] = []
         self.subscribed = threading.Event()
         self.client = mqtt.Client(
             CallbackAPIVersion.VERSION2,
-            client_id=f"acl-test-{username}-{time.monotonic_ns()}",
+            client_id=client_id or f"acl-test-{username}-{time.monotonic_ns()}",
             protocol=MQTTProtocolVersion.MQTTv5,
         )
         if username is not None:
@@ -131,12 +142,21 @@ class Client:
         if ca_file is not None:
             self.client.tls_set_context(ssl.create_default_context(cafile=str(ca_file)))
         self.client.on_connect = self._on_connect
-        self.client.on_message = lambda c, u, m: self.received.append((m.topic, m.payload))
+        self.client.on_message = lambda c, u, m: self.received.append((m.topic, bytes(m.payload)))
         self.client.on_subscribe = self._on_subscribe
-        self.client.on_disconnect = lambda *a: self.answered.set()
+        self.client.on_disconnect = self._on_disconnect
+        self.client.on_publish = self._on_publish
         self.client.reconnect_delay_set(60, 60)  # one try only within a test
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = session_expiry_s
         try:
-            self.client.connect("127.0.0.1", port, keepalive=10)
+            self.client.connect(
+                "127.0.0.1",
+                port,
+                keepalive=10,
+                clean_start=session_expiry_s == 0,
+                properties=props,
+            )
         except (OSError, ssl.SSLError):
             self.answered.set()
             return
@@ -148,6 +168,13 @@ class Client:
             self.connected.set()
         self.answered.set()
 
+    def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason: Any, *a: Any) -> None:
+        self.disconnects.append(reason)
+        self.answered.set()
+
+    def _on_publish(self, client: Any, userdata: Any, mid: int, reason: Any, props: Any) -> None:
+        self.puback[mid] = reason
+
     def _on_subscribe(self, client: Any, userdata: Any, mid: int, codes: Any, props: Any) -> None:
         self.suback = list(codes)
         self.subscribed.set()
@@ -157,9 +184,12 @@ class Client:
         self.client.subscribe(topic, qos=1)
         assert self.subscribed.wait(5)
 
-    def publish(self, topic: str, payload: bytes) -> None:
+    def publish(self, topic: str, payload: bytes) -> Any:
+        """Publish at QoS 1 and wait for the PUBACK; its reason code (None if none came)."""
         info = self.client.publish(topic, payload, qos=1)
-        info.wait_for_publish(5)
+        with contextlib.suppress(RuntimeError, ValueError):  # the connection went away
+            info.wait_for_publish(5)
+        return self.puback.get(info.mid)
 
     def close(self) -> None:
         self.client.disconnect()
@@ -201,9 +231,9 @@ def test_tls_with_dev_ca_works_and_plaintext_to_tls_port_fails(
     secure_broker: SecureBroker,
 ) -> None:
     ca = secure_broker.folder / "ca.crt"
-    tls = Client(secure_broker.tls_port, "edgeloop-api", "api-pw", ca_file=ca)
-    plain = Client(secure_broker.tls_port, "edgeloop-api", "api-pw", timeout=2)
-    no_ca = Client(secure_broker.tls_port, "edgeloop-api", "api-pw", ca_file=None)
+    tls = Client(secure_broker.service_port, "edgeloop-api", "api-pw", ca_file=ca)
+    plain = Client(secure_broker.service_port, "edgeloop-api", "api-pw", timeout=2)
+    no_ca = Client(secure_broker.service_port, "edgeloop-api", "api-pw", ca_file=None)
     try:
         assert tls.connected.is_set()
         assert not plain.connected.is_set()
@@ -219,11 +249,11 @@ def test_agent_confined_to_its_own_topics(secure_broker: SecureBroker) -> None:
     user_b, pw_b = add_agent(files, "fleet-a", "cam-b", TOPICS)
     user_c, pw_c = add_agent(files, "fleet-z", "cam-c", TOPICS)
     time.sleep(0.3)  # SIGHUP reload (add_agent signalled the pid in mosquitto.pid)
-    port = secure_broker.plain_port
-    verifier = Client(port, "edgeloop-verifier", "verifier-pw")
-    a = Client(port, user_a, pw_a)
-    b = Client(port, user_b, pw_b)
-    c = Client(port, user_c, pw_c)
+    port, ca = secure_broker.tls_port, secure_broker.ca_file
+    verifier = Client(secure_broker.plain_port, "edgeloop-verifier", "verifier-pw")
+    a = Client(port, user_a, pw_a, ca_file=ca)
+    b = Client(port, user_b, pw_b, ca_file=ca)
+    c = Client(port, user_c, pw_c, ca_file=ca)
     clients = [verifier, a, b, c]
     try:
         assert all(x.connected.is_set() for x in clients), "enrolled agents must connect"
@@ -287,7 +317,12 @@ def test_enrollment_issues_broker_credentials_that_work(
     assert answer["mqtt_username"] == "fleet-a.cam-9"
     assert answer["mqtt_password"] and answer["mqtt_password"] != "api-pw"
     time.sleep(0.3)  # SIGHUP reload
-    agent = Client(secure_broker.plain_port, answer["mqtt_username"], answer["mqtt_password"])
+    agent = Client(
+        secure_broker.tls_port,
+        answer["mqtt_username"],
+        answer["mqtt_password"],
+        ca_file=secure_broker.ca_file,
+    )
     try:
         assert agent.connected.is_set()
     finally:
@@ -306,7 +341,7 @@ def test_the_agents_link_publishes_and_receives_over_tls(secure_broker: SecureBr
     user, password = add_agent(secure_broker.files, "fleet-a", "cam-t", TOPICS)
     time.sleep(0.3)  # SIGHUP reload
     ca = secure_broker.folder / "ca.crt"
-    verifier = Client(secure_broker.tls_port, "edgeloop-verifier", "verifier-pw", ca_file=ca)
+    verifier = Client(secure_broker.service_port, "edgeloop-verifier", "verifier-pw", ca_file=ca)
     target = MqttTarget.parse(
         f"mqtts://127.0.0.1:{secure_broker.tls_port}",
         username=user,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter, status
 
 from cloud_service.api.deps import AdminDep, SessionDep, SettingsDep, StateDep
@@ -9,6 +11,7 @@ from cloud_service.api.schemas import EnrollIn, EnrollOut, TokenCreate, TokenOut
 from cloud_service.db import crud
 
 router = APIRouter(prefix="/v1", tags=["enrollment"])
+log = logging.getLogger(__name__)
 
 
 @router.post("/enrollment-tokens", status_code=status.HTTP_201_CREATED)
@@ -26,22 +29,29 @@ def enroll(
 ) -> EnrollOut:
     """Spend a token: the agent's id, fleet, broker, topic prefix, fleet key and API token."""
     agent, api_token = crud.enroll_agent(session=session, token=body.token, agent_id=body.agent_id)
-    target = settings.mqtt
     key = state.signing_key
-    username, password = target.username, target.password
+    # Never the cloud's own broker credentials: those may read and write every topic.
+    username: str | None = None
+    password: str | None = None
     if settings.broker_auth:
         # Each agent its own broker user, whose ACL confines it to its own topics.
         # Written before the response: a failure here rolls the enrollment back.
-        from cloud_service.brokerconf import BrokerFiles, add_agent
+        from cloud_service.brokerconf import add_agent, agent_files
 
-        folder = settings.resolved_broker_config_dir
-        files = BrokerFiles(folder / "passwd", folder / "acl", folder / "mosquitto.pid")
+        files = agent_files(settings.resolved_broker_config_dir)
         username, password = add_agent(files, agent.fleet, agent.agent_id, settings.topics)
+    else:
+        log.warning(
+            "enrolled %s.%s WITHOUT broker credentials: broker_auth is off, so agents reach "
+            "the broker anonymously (development only; set EDGELOOP_BROKER_AUTH=true)",
+            agent.fleet,
+            agent.agent_id,
+        )
     return EnrollOut(
         agent_id=agent.agent_id,
         fleet=agent.fleet,
         mqtt_url=settings.resolved_agent_mqtt_url,
-        # Without broker_auth agents get the connection's own (None when anonymous).
+        # None without broker_auth: the agent connects anonymously (development only).
         mqtt_username=username,
         mqtt_password=password,
         topic_prefix=settings.topic_prefix,
