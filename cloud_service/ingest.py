@@ -5,11 +5,14 @@ input: it returns an ``IngestSample``, an ``IngestStatus``, an ``IngestModelStat
 or a ``DeadLetterRow`` whose reason is the ``reason`` slug of the shared error
 tree (``shared/errors.py``), plus ``topic_mismatch`` (payload names another
 agent or fleet than its topic) and ``wrong_topic`` (a topic the cloud does not
-take messages on).
+take messages on). The verifier adds ``isolated`` (refused while the agent's
+breaker is open) and ``sample_id_conflict`` (no cloud id left for a sample whose
+id other agents' samples hold).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,6 +23,7 @@ import numpy as np
 
 from cloud_service.blobs import sample_image_key
 from cloud_service.verifier import decode_image
+from shared.decode_pool import DecodePool
 from shared.envelope import EnvelopeLimits, decode_envelope
 from shared.errors import ContractError, EdgeLoopError
 from shared.images import check_jpeg_scans
@@ -29,6 +33,7 @@ from shared.topics import TopicRef, Topics
 __all__ = [
     "AgentBreaker",
     "DeadLetterRow",
+    "InboxBudget",
     "IngestModelStatus",
     "IngestSample",
     "IngestStatus",
@@ -51,6 +56,13 @@ class SampleTask:
     edge_confidence: float
     priority: int
     pixels: np.ndarray = field(repr=False)
+    # The id the agent gave the sample, where the cloud stores it under another
+    # (``crud.colliding_sample_id``); verdicts go back to the agent with this one.
+    edge_sample_id: str | None = None
+
+    @property
+    def agent_sample_id(self) -> str:
+        return self.edge_sample_id or self.sample_id
 
 
 @dataclass(frozen=True)
@@ -64,10 +76,11 @@ class IngestSample:
         h = self.header
         return sample_image_key(h.fleet, h.agent, h.sample_id, h.image_format)
 
-    def task(self) -> SampleTask:
+    def task(self, cloud_id: str | None = None) -> SampleTask:
+        """The teacher's task; ``cloud_id`` is the id the sample is stored under."""
         h = self.header
         return SampleTask(
-            sample_id=h.sample_id,
+            sample_id=cloud_id or h.sample_id,
             fleet=h.fleet,
             agent=h.agent,
             captured_at=h.captured_at,
@@ -75,6 +88,7 @@ class IngestSample:
             edge_confidence=h.confidence,
             priority=h.priority,
             pixels=self.pixels,
+            edge_sample_id=h.sample_id if cloud_id and cloud_id != h.sample_id else None,
         )
 
 
@@ -132,6 +146,7 @@ def classify(
     limits: EnvelopeLimits,
     input_size: tuple[int, int] | None,
     keep_bytes: int = 65536,
+    decode_pool: DecodePool | None = None,
 ) -> Classified:
     """What to do with one message (None: nothing, e.g. a cleared retained status)."""
     ref: TopicRef | None = None
@@ -142,7 +157,8 @@ def classify(
             header = envelope.header
             _check_source(ref, header.fleet, header.agent)
             check_jpeg_scans(envelope.image)  # a scan bomb is dead-lettered, never decoded
-            pixels = decode_image(envelope.image, input_size)
+            # Past its budget in the pool: dead-lettered as image_decode_timeout.
+            pixels = decode_image(envelope.image, input_size, pool=decode_pool)
             return IngestSample(header=header, image=envelope.image, pixels=pixels)
         if ref.kind == "status":
             if not payload:
@@ -174,6 +190,7 @@ def sample_row(sample: IngestSample, received_at: datetime) -> dict[str, Any]:
     h = sample.header
     return {
         "sample_id": h.sample_id,
+        "edge_sample_id": h.sample_id,
         "fleet": h.fleet,
         "agent_id": h.agent,
         "captured_at": h.captured_at,
@@ -194,6 +211,79 @@ def sample_row(sample: IngestSample, received_at: datetime) -> dict[str, Any]:
         "status": "pending",
         "verified_at": None,
     }
+
+
+class InboxBudget:
+    """Messages and payload bytes the verifier holds from arrival to storage, bounded.
+
+    ``acquire`` waits for room (a QoS 1 message: the MQTT thread stops reading, so
+    TCP pushes back on the broker); ``try_acquire`` does not (a QoS 0 message is
+    dropped instead). One message larger than the byte bound is let in alone, so
+    the bound never deadlocks. ``close`` wakes every waiter and refuses from then on.
+    """
+
+    def __init__(self, *, max_messages: int, max_bytes: int) -> None:
+        self.max_messages = max_messages
+        self.max_bytes = max_bytes
+        self.messages = 0
+        self.bytes = 0
+        self.peak_messages = 0
+        self.peak_bytes = 0
+        self.waiting = 0  # threads blocked in acquire right now
+        self.waits = 0  # acquires that had to wait
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def _fits(self, size: int) -> bool:
+        if self.messages == 0:
+            return True
+        return self.messages < self.max_messages and self.bytes + size <= self.max_bytes
+
+    def _take(self, size: int) -> None:
+        self.messages += 1
+        self.bytes += size
+        self.peak_messages = max(self.peak_messages, self.messages)
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+
+    def try_acquire(self, size: int) -> bool:
+        """Take room for one message of ``size`` bytes if there is some now."""
+        with self._cond:
+            if self._closed or not self._fits(size):
+                return False
+            self._take(size)
+            return True
+
+    def acquire(self, size: int) -> bool:
+        """Wait for room for one message of ``size`` bytes; False once closed."""
+        with self._cond:
+            if not self._closed and not self._fits(size):
+                self.waits += 1
+                self.waiting += 1
+                try:
+                    while not self._closed and not self._fits(size):
+                        self._cond.wait()
+                finally:
+                    self.waiting -= 1
+            if self._closed:
+                return False
+            self._take(size)
+            return True
+
+    def release(self, messages: int, size: int) -> None:
+        """Give back the room of ``messages`` messages of ``size`` bytes in all."""
+        with self._cond:
+            self.messages = max(0, self.messages - messages)
+            self.bytes = max(0, self.bytes - size)
+            self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
 
 class ReceiptBuffer:
@@ -240,13 +330,14 @@ def utcnow() -> datetime:
 
 
 class AgentBreaker:
-    """A circuit breaker per agent on its share of refused messages.
+    """A circuit breaker per agent topic on its share of refused messages.
 
-    Over ``window_s``, once an agent sent at least ``min_messages`` and more than
-    ``error_rate`` of them were dead letters, it is isolated for ``cooldown_s``: its
-    messages are dead-lettered with reason ``isolated`` without being decoded (a
-    flood of malformed data costs the verifier a topic parse, no more). After the
-    cool-down it is let in again with a clean window.
+    Over ``window_s``, once an agent's topics carried at least ``min_messages`` and
+    more than ``error_rate`` of them were refused, the agent is isolated for
+    ``cooldown_s``; after the cool-down it starts again with a clean window. What
+    isolation means is the verifier's: it isolates the bad messages, not the agent
+    (anyone who can publish on a topic can trip its breaker), so a well-formed
+    message from the agent is still taken while refused ones cost less.
     """
 
     def __init__(

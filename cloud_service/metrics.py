@@ -140,6 +140,28 @@ class CloudMetrics:
             ["priority"],
             registry=r,
         )
+        # The verifier's inbox: what it holds between the broker and its store.
+        self.inbox_messages = Gauge(
+            "edgeloop_verifier_inbox_messages",
+            "Messages held between the broker and the store",
+            registry=r,
+        )
+        self.inbox_bytes = Gauge(
+            "edgeloop_verifier_inbox_bytes",
+            "Payload bytes held between the broker and the store",
+            registry=r,
+        )
+        self.inbox_dropped = Counter(
+            "edgeloop_verifier_inbox_dropped",
+            "Messages dropped at the inbox (QoS 0 while it was full)",
+            ["reason"],
+            registry=r,
+        )
+        self.inbox_waits = Counter(
+            "edgeloop_verifier_inbox_waits",
+            "Times the MQTT thread waited for room in a full inbox (back-pressure)",
+            registry=r,
+        )
         self._distill_queue = _DistillQueueCollector()
         r.register(self._distill_queue)
         self._agreed = 0

@@ -2,7 +2,10 @@
 
 Threads, each with one job:
 
-    paho loop        on_message -> inbox (nothing else runs on paho's thread)
+    paho loop        on_message -> inbox (nothing else runs on paho's thread); the inbox
+                     budget bounds, by count and bytes, everything held from here until
+                     a batch is stored: a QoS 1 message waits for room (paho stops
+                     reading, TCP pushes back on the broker), a QoS 0 one is dropped
     ingest           inbox -> a batch of messages, classified (envelope checks, image
                      decode) in chunks on the decoder pool -> staged
     decode-N         the pool: OpenCV releases the GIL, so decoding uses every core
@@ -16,7 +19,9 @@ Threads, each with one job:
 A message is acknowledged to the broker (paho manual ack) only after its blob is
 written and its row committed; a sample redelivered after a crash is stored once
 (ON CONFLICT DO NOTHING on sample_id) and gets at most one verdict row (unique
-sample_id on verdicts).
+sample_id on verdicts). Sample ids are unique per agent: a sample whose id another
+agent's sample holds is stored under a derived cloud id (``crud.store_samples``)
+and answered with its own.
 """
 
 from __future__ import annotations
@@ -26,12 +31,15 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import numpy as np
 import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
@@ -54,6 +62,7 @@ from cloud_service.ingest import (
     AgentBreaker,
     Classified,
     DeadLetterRow,
+    InboxBudget,
     IngestModelStatus,
     IngestSample,
     IngestStatus,
@@ -66,10 +75,13 @@ from cloud_service.metrics import CloudMetrics
 from cloud_service.review import ReviewRules
 from cloud_service.settings import CloudSettings
 from cloud_service.verifier import TeacherModel, TeacherScore, decode_image
+from shared.decode_pool import DecodePool
+from shared.envelope import PREFIX_SIZE
 from shared.errors import EdgeLoopError, StoreError, TransportError
 from shared.interpreter import SwitchInterval
-from shared.messages import Receipt, Verdict, encode_message
+from shared.messages import DEFAULT_MAX_MESSAGE_BYTES, Receipt, Verdict, encode_message
 from shared.mqtt import make_client, negotiate_protocol
+from shared.topics import TopicRef
 
 __all__ = ["VerifierWorker", "batcher_config"]
 
@@ -79,6 +91,41 @@ log = logging.getLogger(__name__)
 # with manual acks after each commit, the window must cover a whole ingest batch.
 _RECEIVE_MAXIMUM = 2000
 _RETRY_BACKOFF = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """One received message as the worker holds it (paho's message object is let go)."""
+
+    topic: str
+    payload: bytes
+    qos: int
+    mid: int
+    size: int  # bytes as received; ``payload`` is empty when it was over every limit
+
+    @property
+    def held(self) -> int:
+        return len(self.payload)
+
+
+class _LogLimiter:
+    """At most one line per key every ``every_s`` seconds; the rest counted into the next."""
+
+    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s = every_s
+        self.clock = clock
+        self._last: dict[str, float] = {}
+        self._skipped: Counter[str] = Counter()
+
+    def allow(self, key: str) -> int | None:
+        """None to stay quiet, else how many lines of ``key`` were held back before this."""
+        now = self.clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self.every_s:
+            self._skipped[key] += 1
+            return None
+        self._last[key] = now
+        return self._skipped.pop(key, 0)
 
 
 def batcher_config(settings: CloudSettings) -> BatcherConfig:
@@ -143,12 +190,36 @@ class VerifierWorker:
         self.receipts = ReceiptBuffer(
             flush_s=settings.receipt_flush_ms / 1000, max_ids=settings.receipt_max_ids
         )
-        self._inbox: queue.Queue[mqtt.MQTTMessage] = queue.Queue()
+        # Bounded by ``inbox`` (count and bytes), which covers every message from
+        # on_message until its batch is stored: this queue, the ingest thread's batch,
+        # the staged batches and the store thread's.
+        self._inbox: queue.Queue[Inbound] = queue.Queue()
+        self.inbox = InboxBudget(
+            max_messages=settings.inbox_max_messages, max_bytes=settings.inbox_max_bytes
+        )
+        self.metrics.inbox_messages.set_function(lambda: self.inbox.messages)
+        self.metrics.inbox_bytes.set_function(lambda: self.inbox.bytes)
+        # No message the cloud takes is larger; a bigger one is dead-lettered unread.
+        self._max_payload = max(
+            PREFIX_SIZE + self.limits.max_header_bytes + self.limits.max_image_bytes,
+            DEFAULT_MAX_MESSAGE_BYTES,
+        )
+        self._dead_letter_log = _LogLimiter(settings.breaker_log_every_s)
         # Image decode is ingest's largest cost and OpenCV releases the GIL while it
         # decodes and resizes, so a small pool spreads one ingest batch over the cores.
         self._decode_workers = min(4, os.cpu_count() or 1)
         self._decoders = ThreadPoolExecutor(
             max_workers=self._decode_workers, thread_name_prefix="decode"
+        )
+        # Progressive and costly images decode in processes, each within a budget: a
+        # bomb is dead-lettered when its budget runs out, and its process killed.
+        self.decode_pool = DecodePool(
+            settings.decode_workers,
+            budget_s=settings.decode_budget_ms / 1000,
+            isolate_cost=settings.decode_isolate_cost,
+            max_result_bytes=3 * settings.max_pixels,
+            preload=("cloud_service.verifier",),
+            name="verifier-decode",
         )
         # Writes a batch's images while its rows are inserted: the transaction commits
         # only once they are durable, so a row never points at a missing image.
@@ -156,9 +227,9 @@ class VerifierWorker:
         # Batches classified (or being classified) and waiting for the store thread, in
         # arrival order; two at most, so a slow store holds messages in the inbox, where
         # they form bigger batches, not here. None: the ingest thread stopped.
-        self._staged: queue.Queue[
-            tuple[list[mqtt.MQTTMessage], list[Future[list[Classified]]]] | None
-        ] = queue.Queue(maxsize=2)
+        self._staged: queue.Queue[tuple[list[Inbound], list[Future[list[Classified]]]] | None] = (
+            queue.Queue(maxsize=2)
+        )
         # Each teacher batch's results as one item: (task, scores or the batch's error).
         self._results: queue.Queue[list[tuple[SampleTask, TeacherScore | BaseException]]] = (
             queue.Queue()
@@ -221,6 +292,9 @@ class VerifierWorker:
         """Stop taking messages, finish what is in hand, flush receipts, disconnect."""
         if self._stop.is_set():
             return
+        # First, so an MQTT thread waiting for room in a full inbox returns (its message
+        # unacked: the broker redelivers it) and nothing new is taken in.
+        self.inbox.close()
         client = self.client
         if client is not None:
             # Unsubscribing is not needed: the session keeps the subscription, and a
@@ -236,6 +310,7 @@ class VerifierWorker:
             thread.join(10)
         self._threads.clear()
         self._decoders.shutdown(wait=True)
+        self.decode_pool.close()
         self._blob_writer.shutdown(wait=True)
         if client is not None:
             client.disconnect()
@@ -268,7 +343,7 @@ class VerifierWorker:
         if self.protocol == "5":
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = settings.mqtt_session_expiry_s
-            props.ReceiveMaximum = _RECEIVE_MAXIMUM
+            props.ReceiveMaximum = min(_RECEIVE_MAXIMUM, settings.inbox_max_messages)
             kwargs.update(clean_start=False, properties=props)
         try:
             client.connect(target.host, target.port, **kwargs)
@@ -315,7 +390,26 @@ class VerifierWorker:
             log.warning("disconnected from the broker; paho reconnects")
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
-        self._inbox.put(message)
+        payload = bytes(message.payload)  # the same object when it is bytes already
+        size = len(payload)
+        if size > self._max_payload:
+            payload = b""  # dead-lettered as too_large without keeping its bytes
+        if message.qos == 0:
+            # Nothing depends on a QoS 0 message arriving, and nothing would resend it:
+            # with the inbox full it is dropped here rather than held.
+            if not self.inbox.try_acquire(len(payload)):
+                if not self.inbox.closed:  # not merely stopping
+                    self.metrics.inbox_dropped.labels("qos0_inbox_full").inc()
+                return
+        else:
+            if not self.inbox.try_acquire(len(payload)):
+                self.metrics.inbox_waits.inc()
+                # Wait on paho's thread: it stops reading the socket, so TCP pushes back
+                # on the broker and its own queue limits apply. Unacked, the message
+                # stays the broker's until it is stored.
+                if not self.inbox.acquire(len(payload)):
+                    return  # stopping: left unacked, the broker delivers it again
+        self._inbox.put(Inbound(message.topic, payload, message.qos, message.mid, size))
 
     # --- ingest --------------------------------------------------------------
 
@@ -354,8 +448,11 @@ class VerifierWorker:
             if staged is None:
                 break
             messages, pending = staged
-            outcomes = [outcome for future in pending for outcome in future.result()]
-            self._with_retries(functools.partial(self._store, messages, outcomes))
+            try:
+                outcomes = [outcome for future in pending for outcome in future.result()]
+                self._with_retries(functools.partial(self._store, messages, outcomes))
+            finally:
+                self.inbox.release(len(messages), sum(m.held for m in messages))
             self._flush_receipts()
         self._flush_receipts(everything=True)
 
@@ -373,7 +470,7 @@ class VerifierWorker:
                     return False
         return False
 
-    def _classify(self, messages: list[mqtt.MQTTMessage]) -> list[Future[list[Classified]]]:
+    def _classify(self, messages: list[Inbound]) -> list[Future[list[Classified]]]:
         """Classify ``messages`` on the decoder pool, in a few chunks (one task per message
         would cost more in hand-offs than a small image takes to decode)."""
         classify_one = functools.partial(
@@ -382,12 +479,13 @@ class VerifierWorker:
             limits=self.limits,
             input_size=self.teacher.input_size,
             keep_bytes=self.settings.dead_letter_keep_bytes,
+            decode_pool=self.decode_pool,
         )
-        guarded = self._breaker_guard(classify_one)
-        items = [(m.topic, bytes(m.payload)) for m in messages]
+        guarded = self._breaker_guard(self._size_guard(classify_one))
+        items = [(m.topic, m.payload, m.size) for m in messages]
 
-        def run(chunk: Sequence[tuple[str, bytes]]) -> list[Classified]:
-            return [guarded(topic, payload) for topic, payload in chunk]
+        def run(chunk: Sequence[tuple[str, bytes, int]]) -> list[Classified]:
+            return [guarded(topic, payload, size) for topic, payload, size in chunk]
 
         if len(items) == 1:
             done: Future[list[Classified]] = Future()
@@ -396,7 +494,7 @@ class VerifierWorker:
         size = -(-len(items) // (2 * self._decode_workers))
         return [self._decoders.submit(run, items[i : i + size]) for i in range(0, len(items), size)]
 
-    def _store(self, messages: list[mqtt.MQTTMessage], outcomes: list[Classified]) -> None:
+    def _store(self, messages: list[Inbound], outcomes: list[Classified]) -> None:
         """Make one classified batch durable, then ack, receipt and queue it for the teacher."""
         now = datetime.now(UTC)
         samples: list[IngestSample] = []
@@ -416,18 +514,19 @@ class VerifierWorker:
         written = self._blob_writer.submit(self.blobs.put_many, images) if images else None
         try:
             with self.sessions.begin() as session:
-                new_ids = crud.insert_samples(
+                stored = crud.store_samples(
                     session=session, rows=[sample_row(s, now) for s in samples]
                 )
+                unplaced = [s for s in samples if _key(s) not in stored]
+                dead = dead + [_id_conflict(s) for s in unplaced]
+                samples = [s for s in samples if _key(s) in stored]
                 crud.insert_dead_letters(session=session, rows=[d.row(now) for d in dead])
                 for item in statuses:
                     if isinstance(item, IngestStatus):
                         crud.record_agent_status(session=session, status=item.status)
                     else:
                         crud.record_model_status(session=session, status=item.status)
-                duplicates = [
-                    s.header.sample_id for s in samples if s.header.sample_id not in new_ids
-                ]
+                duplicates = [cloud_id for cloud_id, new in stored.values() if not new]
                 stored_verdicts = (
                     crud.get_verdicts(session=session, sample_ids=duplicates) if duplicates else []
                 )
@@ -442,50 +541,87 @@ class VerifierWorker:
         for message in messages:
             if message.qos > 0:
                 self.client.ack(message.mid, message.qos)
-        self._account(samples, new_ids, dead)
+        new_keys = {key for key, (_cloud_id, new) in stored.items() if new}
+        self._account(samples, new_keys, dead)
         self._record_isolations()
         for verdict in republish:
             self._publish_verdict(verdict)
         fresh: dict[str, SampleTask] = {}
         for sample in samples:
-            sid = sample.header.sample_id
-            if sid in new_ids and sid not in fresh:
-                fresh[sid] = sample.task()
+            key = _key(sample)
+            cloud_id, new = stored[key]
+            if new and cloud_id not in fresh:
+                fresh[cloud_id] = sample.task(cloud_id)
         self._submit_many(list(fresh.values()))
         self.metrics.queue_depth.set(self.batcher.depth)
 
     # --- circuit breaker on malformed data ------------------------------------
 
-    def _breaker_guard(self, inner: Callable[[str, bytes], Any]) -> Callable[[str, bytes], Any]:
-        """``inner`` behind the per-agent breaker: an isolated agent's messages are not decoded."""
+    def _size_guard(self, inner: Callable[[str, bytes], Any]) -> Callable[[str, bytes, int], Any]:
+        """``inner``, but a message over every limit is dead-lettered without its bytes."""
 
-        def guarded(topic: str, payload: bytes) -> Any:
+        def guarded(topic: str, payload: bytes, size: int) -> Any:
+            if size <= self._max_payload:
+                return inner(topic, payload)
+            try:
+                ref: TopicRef | None = self.topics.parse(topic)
+            except EdgeLoopError:
+                ref = None
+            return DeadLetterRow(
+                topic=topic,
+                reason="too_large",
+                message=f"message of {size} bytes is over the largest the cloud takes"
+                f" ({self._max_payload})",
+                payload=b"",
+                payload_size=size,
+                fleet=ref.fleet if ref else None,
+                agent_id=ref.agent if ref else None,
+            )
+
+        return guarded
+
+    def _breaker_guard(
+        self, inner: Callable[[str, bytes, int], Any]
+    ) -> Callable[[str, bytes, int], Any]:
+        """``inner`` behind the per-agent breaker, which isolates bad messages, not the agent.
+
+        Anyone who can publish on an agent's topic can trip its breaker, so an open one
+        never refuses a well-formed message: every message is still classified, and
+        what is taken is taken. While it is open, what is refused is dead-lettered as
+        ``isolated`` without its bytes, and logged at most once per interval.
+        """
+
+        def guarded(topic: str, payload: bytes, size: int) -> Any:
             try:
                 ref = self.topics.parse(topic)
             except EdgeLoopError:
-                return inner(topic, payload)  # no agent to blame: dead-lettered as wrong_topic
+                return inner(topic, payload, size)  # no agent to blame: wrong_topic
             if ref.agent is None:
-                return inner(topic, payload)
+                return inner(topic, payload, size)
             with self._breaker_lock:
                 until = self.breaker.isolated_until(ref.fleet, ref.agent)
+            outcome = inner(topic, payload, size)
+            refused = isinstance(outcome, DeadLetterRow)
             if until is not None:
-                return DeadLetterRow(
-                    topic=topic,
+                if not refused:
+                    return outcome
+                return replace(
+                    outcome,
                     reason="isolated",
-                    message=f"agent {ref.fleet}/{ref.agent} is isolated for its error rate",
+                    message=f"refused ({outcome.reason}) while the breaker of"
+                    f" {ref.fleet}/{ref.agent} is open: {outcome.message}",
                     payload=b"",
-                    payload_size=len(payload),
-                    fleet=ref.fleet,
-                    agent_id=ref.agent,
                 )
-            outcome = inner(topic, payload)
             with self._breaker_lock:
-                opened = self.breaker.record(
-                    ref.fleet, ref.agent, ok=not isinstance(outcome, DeadLetterRow)
-                )
+                opened = self.breaker.record(ref.fleet, ref.agent, ok=not refused)
             if opened:
                 self.metrics.isolations.labels(ref.fleet, ref.agent).inc()
-                log.warning("agent %s/%s isolated: malformed messages", ref.fleet, ref.agent)
+                log.warning(
+                    "agent %s/%s isolated: most messages on its topics are malformed; its"
+                    " well-formed ones are still taken",
+                    ref.fleet,
+                    ref.agent,
+                )
             return outcome
 
         return guarded
@@ -515,7 +651,7 @@ class VerifierWorker:
         self.metrics.isolated_agents.set(len(now_isolated))
 
     def _account(
-        self, samples: list[IngestSample], new_ids: set[str], dead: list[DeadLetterRow]
+        self, samples: list[IngestSample], new_keys: set[crud.SampleKey], dead: list[DeadLetterRow]
     ) -> None:
         m = self.metrics
         by_agent: dict[tuple[str, str], list[str]] = {}
@@ -524,20 +660,31 @@ class VerifierWorker:
             by_agent.setdefault((h.fleet, h.agent), []).append(h.sample_id)
         new_by_fleet: Counter[str] = Counter()
         for (fleet, agent), ids in by_agent.items():
+            # Receipts carry the agent's own ids, whatever the cloud stored them under.
             self.receipts.add(fleet, agent, ids)
             m.forwarded.labels(fleet, agent).inc(len(ids))
-            new_by_fleet[fleet] += sum(1 for sid in ids if sid in new_ids)
+        for fleet, _agent, _sample_id in new_keys:
+            new_by_fleet[fleet] += 1
         for fleet, count in new_by_fleet.items():
-            if count:
-                m.ingested.labels(fleet).inc(count)
-        if len(samples) > len(new_ids):
-            m.duplicates.inc(len(samples) - len(new_ids))
-        self.counts["stored"] += len(new_ids)
-        self.counts["duplicates"] += len(samples) - len(new_ids)
+            m.ingested.labels(fleet).inc(count)
+        if len(samples) > len(new_keys):
+            m.duplicates.inc(len(samples) - len(new_keys))
+        self.counts["stored"] += len(new_keys)
+        self.counts["duplicates"] += len(samples) - len(new_keys)
         self.counts["dead_letters"] += len(dead)
         for letter in dead:
             m.dead_letters.labels(letter.reason).inc()
-            log.info("dead letter on %s: %s (%s)", letter.topic, letter.reason, letter.message)
+            # A flood of junk must not become a flood of log lines: one per reason and
+            # interval, saying how many were held back.
+            held_back = self._dead_letter_log.allow(letter.reason)
+            if held_back is not None:
+                log.info(
+                    "dead letter on %s: %s (%s)%s",
+                    letter.topic,
+                    letter.reason,
+                    letter.message,
+                    f"; {held_back} more of this reason not logged" if held_back else "",
+                )
 
     def _flush_receipts(self, *, everything: bool = False) -> None:
         client = self.client
@@ -601,9 +748,10 @@ class VerifierWorker:
         try:
             results = self.teacher.score_many([t.pixels for t in tasks])
         except BaseException as exc:
-            self._results.put([(task, exc) for task in tasks])
+            self._results.put([(_without_pixels(task), exc) for task in tasks])
             raise
-        self._results.put(list(zip(tasks, results, strict=True)))
+        # The verdict stage needs no pixels: its queue holds only small records.
+        self._results.put([(_without_pixels(t), r) for t, r in zip(tasks, results, strict=True)])
         return results
 
     def _on_batch(self, info: BatchInfo) -> None:
@@ -632,18 +780,19 @@ class VerifierWorker:
         self, results: list[tuple[SampleTask, TeacherScore | BaseException]]
     ) -> None:
         now = datetime.now(UTC)
-        verdicts: list[Verdict] = []
+        # (the id the sample is stored under, the verdict the agent gets with its own id)
+        verdicts: list[tuple[str, Verdict]] = []
         failed: list[SampleTask] = []
         for task, result in results:
             if isinstance(result, BaseException):
                 log.error("teacher failed on %s: %s", task.sample_id, result)
                 failed.append(task)
                 continue
-            verdicts.append(self._make_verdict(task, result, now))
+            verdicts.append((task.sample_id, self._make_verdict(task, result, now)))
         latency = {task.sample_id: (now - task.captured_at).total_seconds() for task, _ in results}
         rows = [
             {
-                "sample_id": v.sample_id,
+                "sample_id": cloud_id,
                 "teacher_model": v.teacher_model,
                 "teacher_version": v.teacher_version,
                 "scores": list(v.scores),
@@ -653,13 +802,13 @@ class VerifierWorker:
                 "review": v.review,
                 "review_reasons": list(v.review_reasons),
                 "verified_at": v.verified_at,
-                "latency_s": latency[v.sample_id],
+                "latency_s": latency[cloud_id],
             }
-            for v in verdicts
+            for cloud_id, v in verdicts
         ]
         with self.sessions.begin() as session:
             new = crud.insert_verdicts(session=session, rows=rows) if rows else set()
-            existing = [v.sample_id for v in verdicts if v.sample_id not in new]
+            existing = [cloud_id for cloud_id, _ in verdicts if cloud_id not in new]
             stored = crud.get_verdicts(session=session, sample_ids=existing) if existing else []
             again = [self._verdict_from_row(v) for v in stored]
         with self._inflight_lock:
@@ -668,12 +817,12 @@ class VerifierWorker:
         m = self.metrics
         agreed = 0
         outcomes: Counter[tuple[str, str]] = Counter()
-        for verdict in verdicts:
-            if verdict.sample_id in new:
+        for cloud_id, verdict in verdicts:
+            if cloud_id in new:
                 self._publish_verdict(verdict)
                 agreed += verdict.agrees_with_edge
                 outcomes[str(verdict.agrees_with_edge).lower(), str(verdict.review).lower()] += 1
-                m.capture_to_verdict.observe(max(latency[verdict.sample_id], 0.0))
+                m.capture_to_verdict.observe(max(latency[cloud_id], 0.0))
         for (agrees, review), count in outcomes.items():
             m.verdicts.labels(agrees, review).inc(count)
         m.observe_verdicts(agreed, len(new))
@@ -691,7 +840,7 @@ class VerifierWorker:
         )
         info = self.teacher.info
         return Verdict(
-            sample_id=task.sample_id,
+            sample_id=task.agent_sample_id,
             fleet=task.fleet,
             agent=task.agent,
             teacher_model=info.name,
@@ -706,9 +855,9 @@ class VerifierWorker:
         )
 
     def _verdict_from_row(self, row: Any) -> Verdict:
-        sample_fleet, sample_agent = self._sample_source(row.sample_id)
+        sample_fleet, sample_agent, edge_sample_id = self._sample_source(row.sample_id)
         return Verdict(
-            sample_id=row.sample_id,
+            sample_id=edge_sample_id,
             fleet=sample_fleet,
             agent=sample_agent,
             teacher_model=row.teacher_model,
@@ -722,12 +871,13 @@ class VerifierWorker:
             verified_at=row.verified_at,
         )
 
-    def _sample_source(self, sample_id: str) -> tuple[str, str]:
+    def _sample_source(self, sample_id: str) -> tuple[str, str, str]:
+        """The stored sample's fleet, agent and the id its agent gave it."""
         with self.sessions() as session:
             sample = session.get(Sample, sample_id)
             if sample is None:  # the verdict's foreign key makes this unreachable
                 raise StoreError(f"verdict for unknown sample {sample_id}")
-            return sample.fleet, sample.agent_id
+            return sample.fleet, sample.agent_id, sample.edge_sample_id or sample.sample_id
 
     def _publish_verdict(self, verdict: Verdict) -> None:
         if self.client is not None:
@@ -774,7 +924,9 @@ class VerifierWorker:
                     if row.sample_id in self._inflight:
                         continue
                 try:
-                    pixels = decode_image(self.blobs.get(row.image_key), size)
+                    pixels = decode_image(
+                        self.blobs.get(row.image_key), size, pool=self.decode_pool
+                    )
                 except EdgeLoopError as exc:
                     log.error("cannot recover sample %s: %s", row.sample_id, exc)
                     continue
@@ -788,9 +940,39 @@ class VerifierWorker:
                         edge_confidence=row.edge_confidence,
                         priority=row.priority,
                         pixels=pixels,
+                        edge_sample_id=(
+                            row.edge_sample_id if row.edge_sample_id != row.sample_id else None
+                        ),
                     )
                 )
                 count += 1
         if count:
             log.info("recovery: %d stored samples queued for the teacher", count)
         return count
+
+
+def _key(sample: IngestSample) -> crud.SampleKey:
+    h = sample.header
+    return (h.fleet, h.agent, h.sample_id)
+
+
+def _id_conflict(sample: IngestSample) -> DeadLetterRow:
+    """The dead letter of a sample every candidate cloud id of which was held."""
+    h = sample.header
+    return DeadLetterRow(
+        topic="",
+        reason="sample_id_conflict",
+        message=f"sample id {h.sample_id} and its cloud ids are held by other samples",
+        payload=b"",
+        payload_size=h.image_bytes,
+        fleet=h.fleet,
+        agent_id=h.agent,
+        sample_id=h.sample_id,
+    )
+
+
+def _without_pixels(task: SampleTask) -> SampleTask:
+    return replace(task, pixels=_NO_PIXELS)
+
+
+_NO_PIXELS = np.zeros((0,), np.uint8)

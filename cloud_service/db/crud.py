@@ -11,6 +11,7 @@ import hashlib
 import json
 import re
 import secrets
+import uuid
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -40,6 +41,7 @@ __all__ = [
     "add_label",
     "agent_for_api_token",
     "authenticate_user",
+    "colliding_sample_id",
     "create_enrollment_token",
     "create_user",
     "enroll_agent",
@@ -60,6 +62,7 @@ __all__ = [
     "record_model_status",
     "set_password",
     "stats",
+    "store_samples",
 ]
 
 
@@ -139,6 +142,78 @@ def insert_samples(*, session: Session, rows: Sequence[dict[str, Any]]) -> set[s
         stmt = _insert_ignore(session, Sample, "sample_id").returning(Sample.sample_id)
         new.update(session.scalars(stmt, list(chunk)).all())
     return new
+
+
+# Ids of samples stored under a cloud id because another agent's sample holds theirs.
+_COLLISION_NAMESPACE = uuid.UUID("6f1c2a52-3e0b-5d8e-9a41-0c7b2d1e5f63")
+
+
+def colliding_sample_id(fleet: str, agent: str, sample_id: str, attempt: int) -> str:
+    """The cloud id of ``sample_id`` from ``fleet/agent`` after ``attempt`` collisions.
+
+    Deterministic, so a redelivery finds the row its first delivery made.
+    """
+    return str(uuid.uuid5(_COLLISION_NAMESPACE, f"{fleet}/{agent}/{sample_id}/{attempt}"))
+
+
+# Cloud ids tried for a sample whose id other agents' samples hold, before giving up.
+COLLISION_ATTEMPTS = 4
+
+SampleKey = tuple[str, str, str]  # (fleet, agent, the agent's sample id)
+
+
+def store_samples(
+    *, session: Session, rows: Sequence[dict[str, Any]]
+) -> dict[SampleKey, tuple[str, bool]]:
+    """Store sample rows, unique per agent; return each one's (cloud id, whether new).
+
+    A row is stored under the agent's own id (``edge_sample_id``) unless another
+    agent's sample holds that id; then under ``colliding_sample_id``, a cloud id
+    derived from (fleet, agent, id), so a redelivery finds the same row. A row
+    missing from the result could not be given an id (every candidate was held).
+    """
+
+    def key(row: dict[str, Any]) -> SampleKey:
+        return (row["fleet"], row["agent_id"], row["edge_sample_id"])
+
+    pending: dict[SampleKey, dict[str, Any]] = {}
+    for row in rows:
+        pending.setdefault(key(row), {**row, "sample_id": row["edge_sample_id"]})
+    out: dict[SampleKey, tuple[str, bool]] = {}
+    for attempt in range(1, COLLISION_ATTEMPTS + 2):
+        if not pending:
+            break
+        batch = list(pending.values())
+        new = insert_samples(session=session, rows=batch)
+        claims: dict[str, int] = {}
+        for row in batch:
+            claims[row["sample_id"]] = claims.get(row["sample_id"], 0) + 1
+        unsure: list[dict[str, Any]] = []
+        for row in batch:
+            if row["sample_id"] in new and claims[row["sample_id"]] == 1:
+                out[key(row)] = (row["sample_id"], True)
+                del pending[key(row)]
+            else:
+                unsure.append(row)
+        if not unsure:
+            break
+        # Who holds each id now: this row's own earlier delivery, or another agent's sample.
+        holders = {
+            sample_id: (fleet, agent, edge_id or sample_id)
+            for sample_id, fleet, agent, edge_id in session.execute(
+                select(
+                    Sample.sample_id, Sample.fleet, Sample.agent_id, Sample.edge_sample_id
+                ).where(Sample.sample_id.in_({row["sample_id"] for row in unsure}))
+            )
+        }
+        for row in unsure:
+            holder = holders.get(row["sample_id"])
+            if holder == key(row):
+                out[key(row)] = (row["sample_id"], row["sample_id"] in new)
+                del pending[key(row)]
+            elif holder is not None:
+                row["sample_id"] = colliding_sample_id(*key(row), attempt)
+    return out
 
 
 def insert_dead_letters(*, session: Session, rows: Sequence[dict[str, Any]]) -> None:
