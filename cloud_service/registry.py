@@ -5,14 +5,23 @@
 
 A version is registered once and never changes: its artifact sits in the blob store
 under a content-addressed key (``models/{name}/{sha256}.onnx``), and its manifest is
-signed with the fleet key at registration; the announcement bytes stored are the
-ones published, byte for byte (re-encoding a decoded announcement may not verify).
+signed with the fleet key at registration (the stored announcement proves the key
+accepted it; re-encoding a decoded announcement may not verify).
 
 Serving state: ``fleet_models`` says which version a fleet's retained announcement
 names (and the versions before it, for rollback); ``agent_overrides`` holds the
 per-agent retained announcements of canary cohorts and pins. Every change here is
 also published (retained, QoS 1) through the ``Announcer``; an override withdrawn is
 a zero-length retained message, and the agent falls back to the fleet announcement.
+
+What is published is signed afresh for each announcement: the version's manifest
+plus its freshness (``sequence``, ``expires_at``, and the fleet and agent it is for),
+so an old announcement replayed on the topic is refused by agents (they keep the
+highest sequence they accepted). The sequence is ``max(last + 1, now in ms)`` from a
+per-fleet row updated atomically (``announcement_sequences``): strictly increasing
+across API restarts and replicas (the row update serializes them, and ``last + 1``
+wins over a replica whose clock is behind), and still above what agents hold when
+the database is restored from a backup or recreated (the wall clock carries it on).
 
 Retention keeps the newest ``keep`` versions of a model plus every version a fleet
 serves, an agent is pinned to, or a running rollout uses; the others lose their
@@ -25,13 +34,14 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
-from sqlalchemy import delete, select
+from sqlalchemy import BigInteger, case, delete, insert, literal, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from cloud_service.announce import Announcer
@@ -39,6 +49,7 @@ from cloud_service.blobs import BlobStore
 from cloud_service.db.models import (
     Agent,
     AgentOverride,
+    AnnouncementSequence,
     FleetModel,
     ModelStatusEvent,
     ModelVersion,
@@ -59,6 +70,7 @@ from shared.messages import encode_message
 from shared.topics import Topics, validate_id
 
 __all__ = [
+    "DEFAULT_ANNOUNCEMENT_TTL",
     "AgentInstall",
     "AgentRefusal",
     "InstallSummary",
@@ -71,11 +83,14 @@ __all__ = [
     "install_summary",
     "list_versions",
     "min_runtime_for_opset",
+    "next_sequence",
     "pin",
     "promote",
+    "refresh_announcements",
     "register_model",
     "rollback",
     "serving",
+    "signed_announcement",
     "unpin",
 ]
 
@@ -102,6 +117,11 @@ _MAX_GOLDEN = 3
 # What agents accept by default (AgentSettings.max_announcement_bytes): one golden frame
 # of a large input (a 512x512 model) would be over it, and every agent would refuse.
 _AGENT_ANNOUNCEMENT_LIMIT = 1 << 20
+# How long agents may act on a retained announcement. Long, because a fleet that is
+# simply idle keeps its announcement retained: ``refresh_announcements`` signs it
+# again once half of this has passed, and an agent that already serves the version
+# named is not disturbed by an expired copy.
+DEFAULT_ANNOUNCEMENT_TTL = timedelta(days=30)
 
 
 def min_runtime_for_opset(opset: int) -> str:
@@ -507,6 +527,117 @@ def serving(*, session: Session, fleet: str) -> FleetModel | None:
     return session.get(FleetModel, fleet)
 
 
+def next_sequence(*, session: Session, fleet: str, now: datetime | None = None) -> int:
+    """The fleet's next announcement sequence: ``max(last + 1, now in ms)`` (see module doc)."""
+    now_ms = int((now or datetime.now(UTC)).timestamp() * 1000)
+    last = AnnouncementSequence.last_sequence
+    bump = (
+        update(AnnouncementSequence)
+        .where(AnnouncementSequence.fleet == fleet)
+        .values(last_sequence=_greatest(last + 1, now_ms), updated_at=datetime.now(UTC))
+        .returning(last)
+        .execution_options(synchronize_session=False)
+    )
+    for _attempt in range(2):
+        value = session.execute(bump).scalar_one_or_none()
+        if value is not None:
+            return int(value)
+        try:
+            with session.begin_nested():  # another replica may insert the row first
+                session.execute(
+                    insert(AnnouncementSequence).values(
+                        fleet=fleet, last_sequence=now_ms, updated_at=datetime.now(UTC)
+                    )
+                )
+            return now_ms
+        except IntegrityError:
+            continue
+    raise ConflictError(f"cannot allocate an announcement sequence for fleet {fleet}")
+
+
+def _greatest(column: Any, value: int) -> Any:
+    """SQL ``max(column, value)`` that SQLite and PostgreSQL both run."""
+    bound = literal(value, type_=BigInteger())
+    return case((column > bound, column), else_=bound)
+
+
+def signed_announcement(
+    *,
+    session: Session,
+    key: FleetSigningKey,
+    record: ModelVersion,
+    fleet: str,
+    agent: str | None = None,
+    ttl: timedelta = DEFAULT_ANNOUNCEMENT_TTL,
+    now: datetime | None = None,
+) -> bytes:
+    """The announcement bytes of ``record`` for a fleet (or one agent), freshly sequenced."""
+    now = now or datetime.now(UTC)
+    try:
+        manifest = ModelManifest.model_validate(
+            {
+                **record.manifest,
+                "sequence": next_sequence(session=session, fleet=fleet, now=now),
+                "expires_at": (now + ttl).isoformat(),
+                "fleet": fleet,
+                "agent": agent,
+            }
+        )
+    except ValidationError as exc:
+        raise ConflictError(
+            f"{record.name} {record.version} has no valid manifest to announce"
+            f" ({exc.error_count()} problem(s)); register the model again",
+            reason="invalid_manifest",
+        ) from exc
+    return encode_message(sign_manifest(manifest, key))
+
+
+def refresh_announcements(
+    *,
+    session: Session,
+    announcer: Announcer,
+    topics: Topics,
+    key: FleetSigningKey,
+    ttl: timedelta = DEFAULT_ANNOUNCEMENT_TTL,
+    now: datetime | None = None,
+) -> list[str]:
+    """Sign again the retained announcements older than half ``ttl``; return their topics."""
+    now = now or datetime.now(UTC)
+    stale = now - ttl / 2
+    refreshed: list[str] = []
+    for current in session.scalars(select(FleetModel).where(FleetModel.updated_at < stale)):
+        record = get_version(session=session, name=current.model_name, version=current.version)
+        if record.state == "deleted":
+            continue
+        raw = signed_announcement(
+            session=session, key=key, record=record, fleet=current.fleet, ttl=ttl, now=now
+        )
+        current.updated_at = now
+        session.flush()
+        topic = topics.fleet_models(current.fleet)
+        announcer.announce(topic, raw)
+        refreshed.append(topic)
+    for override in session.scalars(select(AgentOverride).where(AgentOverride.created_at < stale)):
+        record = get_version(session=session, name=override.model_name, version=override.version)
+        if record.state == "deleted":
+            continue
+        raw = signed_announcement(
+            session=session,
+            key=key,
+            record=record,
+            fleet=override.fleet,
+            agent=override.agent_id,
+            ttl=ttl,
+            now=now,
+        )
+        override.created_at = now
+        session.flush()
+        topic = topics.agent_models(override.fleet, override.agent_id)
+        announcer.announce(topic, raw)
+        refreshed.append(topic)
+    return refreshed
+
+
 def clear_overrides(
     *,
     session: Session,
@@ -539,7 +670,9 @@ def set_overrides(
     record: ModelVersion,
     agents: Sequence[str],
     kind: str,
+    key: FleetSigningKey,
     rollout_id: int | None = None,
+    ttl: timedelta = DEFAULT_ANNOUNCEMENT_TTL,
 ) -> None:
     """Point these agents at ``record`` with a per-agent retained announcement."""
     _servable(record)
@@ -557,7 +690,10 @@ def set_overrides(
         override.rollout_id = rollout_id
         override.created_at = datetime.now(UTC)
         session.flush()
-        announcer.announce(topics.agent_models(fleet, agent), record.announcement)
+        raw = signed_announcement(
+            session=session, key=key, record=record, fleet=fleet, agent=agent, ttl=ttl
+        )
+        announcer.announce(topics.agent_models(fleet, agent), raw)
 
 
 def promote(
@@ -568,7 +704,9 @@ def promote(
     fleet: str,
     name: str,
     version: str,
+    key: FleetSigningKey,
     clear_canaries: bool = True,
+    ttl: timedelta = DEFAULT_ANNOUNCEMENT_TTL,
 ) -> FleetModel:
     """Make ``version`` the fleet's retained announcement; canary overrides are withdrawn."""
     validate_id(fleet, "fleet")
@@ -585,7 +723,8 @@ def promote(
     current.updated_at = datetime.now(UTC)
     record.state = "serving"
     session.flush()
-    announcer.announce(topics.fleet_models(fleet), record.announcement)
+    raw = signed_announcement(session=session, key=key, record=record, fleet=fleet, ttl=ttl)
+    announcer.announce(topics.fleet_models(fleet), raw)
     if clear_canaries:
         clear_overrides(
             session=session, announcer=announcer, topics=topics, fleet=fleet, kind="canary"
@@ -594,9 +733,16 @@ def promote(
 
 
 def rollback(
-    *, session: Session, announcer: Announcer, topics: Topics, fleet: str, name: str
+    *,
+    session: Session,
+    announcer: Announcer,
+    topics: Topics,
+    fleet: str,
+    name: str,
+    key: FleetSigningKey,
+    ttl: timedelta = DEFAULT_ANNOUNCEMENT_TTL,
 ) -> FleetModel:
-    """Announce the version the fleet served before the current one."""
+    """Announce the version the fleet served before the current one (a newer announcement)."""
     current = session.get(FleetModel, fleet)
     if current is None or current.model_name != name or not current.history:
         raise ConflictError(f"fleet {fleet} has no earlier version of {name} to roll back to")
@@ -607,7 +753,8 @@ def rollback(
     current.version = previous
     current.updated_at = datetime.now(UTC)
     session.flush()
-    announcer.announce(topics.fleet_models(fleet), record.announcement)
+    raw = signed_announcement(session=session, key=key, record=record, fleet=fleet, ttl=ttl)
+    announcer.announce(topics.fleet_models(fleet), raw)
     return current
 
 
@@ -620,6 +767,8 @@ def pin(
     name: str,
     version: str,
     agents: Sequence[str],
+    key: FleetSigningKey,
+    ttl: timedelta = DEFAULT_ANNOUNCEMENT_TTL,
 ) -> None:
     """Hold these agents on ``version`` whatever the fleet is announced."""
     if not agents:
@@ -633,6 +782,8 @@ def pin(
         record=record,
         agents=agents,
         kind="pin",
+        key=key,
+        ttl=ttl,
     )
 
 

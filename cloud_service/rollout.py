@@ -1,9 +1,9 @@
 """Canary rollouts: a cohort first, watched over a window, then promoted or rolled back.
 
-    rollout = create_rollout(session=s, announcer=a, topics=t, fleet="default",
+    rollout = create_rollout(session=s, announcer=a, topics=t, key=k, fleet="default",
                              name="student", version="v7", percent=10,
                              criteria=RolloutCriteria(window_s=900, min_agreement=0.85))
-    tick(session=s, announcer=a, topics=t)   # periodically: evaluate, promote or abort
+    tick(session=s, announcer=a, topics=t, key=k)   # periodically: evaluate, promote or abort
 
 States: ``running`` -> ``promoted`` | ``aborted``. The cohort is chosen by name, or
 by percentage with a deterministic hash of the agent id (the same agents each time
@@ -22,7 +22,9 @@ and one without enough samples is aborted. Every step is a rollout event.
 
 The evaluation runs in the API process (``rollout_loop``, every
 ``rollout_tick_s``); any replica may run it: a rollout is decided in one
-transaction and a decided one is not evaluated again.
+transaction and a decided one is not evaluated again. The same loop signs again
+the retained announcements older than half their lifetime
+(``registry.refresh_announcements``), so an idle fleet's announcement never expires.
 """
 
 from __future__ import annotations
@@ -42,9 +44,17 @@ from sqlalchemy.orm import Session
 
 from cloud_service import registry
 from cloud_service.announce import Announcer
-from cloud_service.db.models import Agent, ModelStatusEvent, Rollout, RolloutEvent
+from cloud_service.db.models import (
+    Agent,
+    AgentOverride,
+    FleetModel,
+    ModelStatusEvent,
+    Rollout,
+    RolloutEvent,
+)
 from cloud_service.errors import ConflictError, NotFoundError
 from shared.errors import ContractError, EdgeLoopError
+from shared.manifest import FleetSigningKey
 from shared.topics import Topics, validate_id
 
 if TYPE_CHECKING:
@@ -111,10 +121,12 @@ def create_rollout(
     fleet: str,
     name: str,
     version: str,
+    key: FleetSigningKey,
     percent: float | None = None,
     agents: Sequence[str] | None = None,
     criteria: RolloutCriteria | None = None,
     now: datetime | None = None,
+    ttl: timedelta = registry.DEFAULT_ANNOUNCEMENT_TTL,
 ) -> Rollout:
     """Start a canary of ``version`` on a cohort (named agents, or a percentage of the fleet)."""
     now = now or datetime.now(UTC)
@@ -184,7 +196,9 @@ def create_rollout(
         record=record,
         agents=cohort,
         kind="canary",
+        key=key,
         rollout_id=rollout.id,
+        ttl=ttl,
     )
     _event(session, rollout, "created", now, cohort=cohort, criteria=criteria.model_dump())
     log.info("rollout %d: %s %s to %s on %s", rollout.id, name, version, cohort, fleet)
@@ -284,8 +298,10 @@ def promote_rollout(
     announcer: Announcer,
     topics: Topics,
     rollout_id: int,
+    key: FleetSigningKey,
     reason: str = "promoted by hand",
     now: datetime | None = None,
+    ttl: timedelta = registry.DEFAULT_ANNOUNCEMENT_TTL,
 ) -> Rollout:
     """Move the canary version to the whole fleet."""
     now = now or datetime.now(UTC)
@@ -297,6 +313,8 @@ def promote_rollout(
         fleet=rollout.fleet,
         name=rollout.model_name,
         version=rollout.version,
+        key=key,
+        ttl=ttl,
     )
     rollout.state, rollout.reason, rollout.finished_at = "promoted", reason, now
     _event(session, rollout, "promoted", now, reason=reason)
@@ -331,7 +349,13 @@ def abort_rollout(
 
 
 def tick(
-    *, session: Session, announcer: Announcer, topics: Topics, now: datetime | None = None
+    *,
+    session: Session,
+    announcer: Announcer,
+    topics: Topics,
+    key: FleetSigningKey,
+    now: datetime | None = None,
+    ttl: timedelta = registry.DEFAULT_ANNOUNCEMENT_TTL,
 ) -> list[tuple[int, Decision]]:
     """Evaluate every running rollout once and act on the result."""
     now = now or datetime.now(UTC)
@@ -354,8 +378,10 @@ def tick(
                 announcer=announcer,
                 topics=topics,
                 rollout_id=rollout.id,
+                key=key,
                 reason="automatic promotion: the window passed within every criterion",
                 now=now,
+                ttl=ttl,
             )
         decided.append((rollout.id, decision))
     return decided
@@ -385,9 +411,16 @@ def get_rollout(*, session: Session, rollout_id: int) -> tuple[Rollout, list[Rol
 class RolloutLoop:
     """The API process's ``rollout-loop`` thread: ``tick`` every ``interval_s``."""
 
-    def __init__(self, state: ApiState, interval_s: float) -> None:
+    def __init__(
+        self,
+        state: ApiState,
+        interval_s: float,
+        *,
+        ttl: timedelta = registry.DEFAULT_ANNOUNCEMENT_TTL,
+    ) -> None:
         self.state = state
         self.interval_s = interval_s
+        self.ttl = ttl
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -405,6 +438,7 @@ class RolloutLoop:
         while not self._stopping.wait(self.interval_s):
             try:
                 with self.state.sessions.begin() as session:
+                    self._refresh(session)
                     running = session.scalars(
                         select(Rollout.id).where(Rollout.state == "running")
                     ).first()
@@ -414,8 +448,29 @@ class RolloutLoop:
                         session=session,
                         announcer=self.state.get_announcer(),
                         topics=self.state.settings.topics,
+                        key=self.state.signing_key,
+                        ttl=self.ttl,
                     )
             except EdgeLoopError as exc:
                 log.warning("rollout evaluation failed (retrying next tick): %s", exc)
             except SQLAlchemyError as exc:
                 log.warning("rollout evaluation failed on the database: %s", exc)
+
+    def _refresh(self, session: Session) -> None:
+        """Sign again the retained announcements past half their lifetime (a cheap query)."""
+        stale = datetime.now(UTC) - self.ttl / 2
+        due = (
+            session.scalars(select(FleetModel.fleet).where(FleetModel.updated_at < stale)).first()
+            or session.scalars(
+                select(AgentOverride.agent_id).where(AgentOverride.created_at < stale)
+            ).first()
+        )
+        if due is None:
+            return  # nothing to refresh; no broker connection needed
+        registry.refresh_announcements(
+            session=session,
+            announcer=self.state.get_announcer(),
+            topics=self.state.settings.topics,
+            key=self.state.signing_key,
+            ttl=self.ttl,
+        )

@@ -1024,6 +1024,7 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
                     fleet=p.fleet,
                     name=record.name,
                     version=record.version,
+                    key=services.signing_key,
                 )
                 delivered = "promoted"
             else:
@@ -1036,6 +1037,7 @@ def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
                     fleet=p.fleet,
                     name=record.name,
                     version=record.version,
+                    key=services.signing_key,
                     percent=p.canary_percent,
                 )
                 delivered = f"canary rollout {rollout.id}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import getpass
 import json
 import logging
+import secrets
 import sqlite3
 import tomllib
 from pathlib import Path
@@ -168,12 +169,18 @@ def rollback_command(
     """Serve the previous model version again (the running agent, else at its next start)."""
     import httpx
 
+    from edge_agent.localauth import local_api_token
     from edge_agent.updates import offline_rollback
 
     settings = load_settings(AgentSettings, _agent_config(config))
     url = f"http://{settings.http_host}:{settings.http_port}/v1/model/rollback"
     try:
-        response = httpx.post(url, timeout=timeout)
+        token = local_api_token(settings)
+    except EdgeLoopError as exc:
+        fail(exc.message)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        response = httpx.post(url, headers=headers, timeout=timeout)
     except httpx.TransportError:
         try:
             previous = offline_rollback(settings)
@@ -237,6 +244,9 @@ def enroll_command(
         "cloud_url",
     )
     values = {key: answer.get(key) for key in fields}
+    # The token this agent's own API will require on its mutating routes (rollback);
+    # kept across re-enrollment so scripts that hold it keep working.
+    values["local_api_token"] = keep.get("local_api_token") or secrets.token_urlsafe(32)
     if answer.get("mqtt_ca_pem"):
         # The broker's CA beside the config: the agent verifies the broker with it.
         ca_path = path.with_name("broker-ca.crt")

@@ -15,15 +15,29 @@ over the manifest as received (the fleet key the agent was enrolled with), the
 compatibility of the manifest (opset, runtime version, input spec), the artifact's
 size and sha256 (download resumed with HTTP Range after a break), the model loading
 in ONNX Runtime with the same input size as the serving one, and the golden inputs
-reproducing their outputs within the manifest's tolerance. Then the batcher swaps
+reproducing their outputs within the manifest's tolerance. Before any of it, the
+announcement must be fresh: its signed ``sequence`` above the highest this agent
+accepted on that topic (fleet or own; the same sequence only for the same bytes),
+its ``expires_at`` not past, and its ``fleet``/``agent`` this agent and topic. An
+announcement without a sequence (a cloud older than this agent) is refused in
+production and accepted with a warning in development. A stale one is refused with
+``stale``/``expired``/``wrong_audience``/``unsequenced`` and never remembered as
+refused, so a newer announcement of the same version still installs. Then the batcher swaps
 engines between two batches. Each step is published on ``model-status``
 (downloaded, verified, active, rejected with ``"<reason>: <detail>"``, rolled-back);
 a refusal leaves the serving engine as it was.
 
 On disk (``{data_dir}/models``): ``versions/{name}-{version}.onnx`` (the active one
 and the previous ``models_keep - 1``), ``partial/{sha256}.part`` (downloads in
-progress) and ``state.json`` (active version and history), so a restart serves
-the version that was active and ``rollback`` has the previous one at hand.
+progress) and ``state.json`` (active version, history, and the highest announcement sequence
+accepted per topic), so a restart serves the version that was active, ``rollback``
+has the previous one at hand, and an announcement replayed after a restart is
+still refused.
+
+The agent's API token goes only to the cloud it enrolled with (the scheme, host and
+port of ``cloud_url``) and only over https (http only for a loopback cloud in
+development); an artifact named on another origin is fetched without it, which is
+safe because the signed manifest fixes its size and sha256.
 """
 
 from __future__ import annotations
@@ -40,7 +54,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -59,11 +74,13 @@ __all__ = [
     "InstalledModel",
     "ModelState",
     "ModelUpdater",
+    "Scope",
     "UpdateRefused",
     "active_model_path",
     "max_supported_opset",
     "offline_rollback",
     "runtime_version",
+    "token_for",
 ]
 
 log = logging.getLogger(__name__)
@@ -80,6 +97,8 @@ _RUNTIME_OPSET = [
     ((1, 22), 23),
 ]
 _CHUNK = 1 << 16
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+Scope = Literal["fleet", "agent"]
 
 
 def runtime_version() -> str:
@@ -129,6 +148,9 @@ class ModelState:
     active: InstalledModel | None = None
     history: list[InstalledModel] = field(default_factory=list)
     declined: list[list[str]] = field(default_factory=list)  # [name, version] rolled back from
+    # Per topic ("fleet", "agent"): the highest announcement sequence accepted and the
+    # sha256 of its signed manifest (the same sequence is accepted again only for it).
+    sequences: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: Path) -> ModelState:
@@ -146,6 +168,11 @@ class ModelState:
             active=InstalledModel(**active) if active else None,
             history=[InstalledModel(**h) for h in data.get("history", [])],
             declined=[list(d) for d in data.get("declined", [])],
+            sequences={
+                str(k): dict(v)
+                for k, v in (data.get("sequences") or {}).items()
+                if isinstance(v, dict)
+            },
         )
 
     def save(self, path: Path) -> None:
@@ -155,6 +182,7 @@ class ModelState:
             "active": asdict(self.active) if self.active else None,
             "history": [asdict(h) for h in self.history],
             "declined": self.declined[-20:],
+            "sequences": self.sequences,
         }
         with tmp.open("w") as handle:
             json.dump(data, handle, indent=2)
@@ -212,6 +240,7 @@ class ModelUpdater:
         engine_factory: Callable[[Path], Any],
         transport: httpx.BaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self.settings = settings
         self._publish = publish
@@ -220,6 +249,7 @@ class ModelUpdater:
         self._engine_factory = engine_factory
         self._transport = transport
         self._clock = clock
+        self._wall_clock = wall_clock
         topics = settings.topics
         self.topic_fleet = topics.fleet_models(settings.fleet)
         self.topic_agent = topics.agent_models(settings.fleet, settings.agent_id)
@@ -294,8 +324,13 @@ class ModelUpdater:
         self._wake.set()
 
     def wanted(self) -> bytes | None:
+        return self._wanted()[1]
+
+    def _wanted(self) -> tuple[Scope, bytes | None]:
         with self._lock:
-            return self._agent_raw if self._agent_raw is not None else self._fleet_raw
+            if self._agent_raw is not None:
+                return "agent", self._agent_raw
+            return "fleet", self._fleet_raw
 
     # --- the updater thread ----------------------------------------------------------
 
@@ -307,7 +342,7 @@ class ModelUpdater:
         while not self._stopping.is_set():
             self._wake.wait(0.5)
             self._wake.clear()
-            raw = self.wanted()
+            scope, raw = self._wanted()
             if raw is None:
                 continue
             waiting = self._retry_at is None or self._clock() < self._retry_at
@@ -316,25 +351,39 @@ class ModelUpdater:
             self._retry_at = None
             self._handled = raw
             try:
-                self.apply(raw)
+                self.apply(raw, scope=scope)
             except Exception:  # the updater must survive anything a model throws at it
                 log.exception("model update failed unexpectedly")
 
-    def apply(self, raw: bytes) -> dict[str, Any]:
-        """Act on one announcement (blocking); returns what happened."""
+    def apply(self, raw: bytes, *, scope: Scope | None = None) -> dict[str, Any]:
+        """Act on one announcement (blocking); returns what happened.
+
+        ``scope`` is the topic it came on; by default, the agent's own when the
+        manifest names an agent, else the fleet's.
+        """
         with self._install_lock:
-            result = self._apply(raw)
+            result = self._apply(raw, scope)
         self.last_result = result
         return result
 
-    def _apply(self, raw: bytes) -> dict[str, Any]:
+    def _apply(self, raw: bytes, scope: Scope | None) -> dict[str, Any]:
         name, version = _names(raw)
         sha: str | None = None
         try:
             manifest = self._verify(raw)
-            name, version, sha = manifest.name, manifest.version, manifest.sha256
+            name, version = manifest.name, manifest.version
             active = self.state.active
-            if active is not None and (active.name, active.version) == (name, version):
+            current = active is not None and (active.name, active.version) == (name, version)
+            try:
+                self._check_fresh(manifest, raw, scope or ("agent" if manifest.agent else "fleet"))
+            except UpdateRefused as exc:
+                # An old or expired announcement of what this agent already serves installs
+                # nothing; reporting it as refused would mark the serving version refused.
+                if current and exc.reason in ("expired", "stale"):
+                    return {"result": "current", "version": version}
+                raise
+            sha = manifest.sha256
+            if current:
                 return {"result": "current", "version": version}
             if [name, version] in self.state.declined:
                 log.info("%s %s was rolled back here; not installing it again", name, version)
@@ -383,6 +432,61 @@ class ModelUpdater:
             raise UpdateRefused("malformed", exc.message) from exc
         except EdgeLoopError as exc:  # a malformed fleet key is our configuration
             raise UpdateRefused("no_fleet_key", exc.message) from exc
+
+    def _check_fresh(self, manifest: ModelManifest, raw: bytes, scope: Scope) -> None:
+        """Refuse a replayed, expired or misdirected announcement; remember the accepted one."""
+        settings = self.settings
+        if manifest.fleet is not None and manifest.fleet != settings.fleet:
+            raise UpdateRefused(
+                "wrong_audience",
+                f"announcement is for fleet {manifest.fleet}, this agent is in {settings.fleet}",
+            )
+        if scope == "agent" and manifest.agent is not None and manifest.agent != settings.agent_id:
+            raise UpdateRefused(
+                "wrong_audience", f"announcement is for agent {manifest.agent}, not this agent"
+            )
+        if scope == "agent" and manifest.agent is None and manifest.sequence is not None:
+            raise UpdateRefused(
+                "wrong_audience", "a fleet announcement came on this agent's own topic"
+            )
+        if scope == "fleet" and manifest.agent is not None:
+            raise UpdateRefused(
+                "wrong_audience",
+                f"a per-agent announcement (for {manifest.agent}) came on the fleet topic",
+            )
+        if manifest.expires_at is not None and manifest.expires_at <= self._wall_clock():
+            raise UpdateRefused(
+                "expired", f"announcement expired at {manifest.expires_at.isoformat()}"
+            )
+        if manifest.sequence is None:
+            if settings.env == "production":
+                raise UpdateRefused(
+                    "unsequenced",
+                    "announcement has no sequence (a cloud older than this agent);"
+                    " upgrade the cloud",
+                )
+            log.warning(
+                "announcement of %s %s has no sequence (an older cloud): accepted in development",
+                manifest.name,
+                manifest.version,
+            )
+            return
+        digest = hashlib.sha256(_signed_part(raw)).hexdigest()
+        seen = self.state.sequences.get(scope) or {}
+        highest = seen.get("sequence")
+        if isinstance(highest, int):
+            if manifest.sequence < highest or (
+                manifest.sequence == highest and seen.get("digest") != digest
+            ):
+                raise UpdateRefused(
+                    "stale",
+                    f"announcement sequence {manifest.sequence} is not newer than"
+                    f" {highest}, the highest accepted on the {scope} topic (a replay?)",
+                )
+            if manifest.sequence == highest:
+                return  # the same announcement again (a broker redelivery)
+        self.state.sequences[scope] = {"sequence": manifest.sequence, "digest": digest}
+        self.state.save(self.state_path)
 
     def _check_compatible(self, manifest: ModelManifest) -> None:
         # The same check the registry runs on this agent's heartbeat before it announces.
@@ -448,7 +552,7 @@ class ModelUpdater:
 
     def _download(self, manifest: ModelManifest, part: Path) -> None:
         url = self._artifact_url(manifest)
-        token = self.settings.api_token.get_secret_value() if self.settings.api_token else None
+        token = token_for(self.settings, url)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         size = manifest.size_bytes
         stalled = 0
@@ -473,9 +577,14 @@ class ModelUpdater:
                                 f"the artifact ends at {have} of {size} bytes on the server",
                             )
                         if response.status_code in (401, 403):
+                            why = (
+                                "the cloud refused this agent's token"
+                                if token
+                                else "the token is sent only to the enrolled cloud over https"
+                            )
                             raise UpdateRefused(
                                 "unauthorized",
-                                f"the cloud refused this agent's token ({response.status_code})",
+                                f"GET {url} answered {response.status_code} ({why})",
                                 transient=True,
                             )
                         if response.status_code not in (200, 206):
@@ -632,6 +741,40 @@ class ModelUpdater:
             self._publish(self.topic_status, encode_message(message))
         except EdgeLoopError as exc:
             log.warning("could not publish model status: %s", exc)
+
+
+def token_for(settings: AgentSettings, url: str) -> str | None:
+    """The API token if ``url`` is on the enrolled cloud's origin over TLS, else None."""
+    if settings.api_token is None or not settings.cloud_url:
+        return None
+    target, cloud = _origin(url), _origin(settings.cloud_url)
+    if target is None or target != cloud:
+        return None  # another host: the sha256 in the signed manifest guards the bytes
+    scheme, host, _port = target
+    if scheme != "https" and not (host in _LOOPBACK and settings.env == "development"):
+        return None  # never a credential in plaintext off this machine
+    return settings.api_token.get_secret_value()
+
+
+def _origin(url: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an http(s) URL, the port made explicit; None otherwise."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or not parts.hostname:
+        return None
+    return scheme, parts.hostname.lower(), port or (443 if scheme == "https" else 80)
+
+
+def _signed_part(raw: bytes) -> bytes:
+    """The manifest object of an announcement as received (what its signature covers)."""
+    try:
+        return decode_message(raw, ModelAnnouncement, max_bytes=1 << 22).signed_bytes()
+    except (MessageError, ValueError):
+        return raw
 
 
 def _names(raw: bytes) -> tuple[str, str]:

@@ -113,6 +113,8 @@ def _check_b64(value: str) -> str:
 
 
 ModelName = Annotated[str, AfterValidator(_pydantic_check(lambda v: validate_id(v, "model")))]
+FleetName = Annotated[str, AfterValidator(_pydantic_check(lambda v: validate_id(v, "fleet")))]
+AgentName = Annotated[str, AfterValidator(_pydantic_check(lambda v: validate_id(v, "agent")))]
 Version = Annotated[str, AfterValidator(_check_version)]
 Text = Annotated[str, Field(min_length=1, max_length=128), AfterValidator(_check_text)]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
@@ -244,6 +246,15 @@ class ModelManifest(BaseModel):
     # An imported model's origin and wrapped preprocessing; absent for models trained
     # here (left out of the canonical bytes when None, so older manifests verify as before).
     source: ModelSource | None = None
+    # Freshness, set when the cloud announces (not when it registers) and covered by the
+    # signature: ``sequence`` grows with every announcement of the fleet, ``expires_at``
+    # bounds how long a retained copy may be acted on, and ``fleet``/``agent`` name whom
+    # it is for (``agent`` only on per-agent announcements). An agent refuses a sequence
+    # not above the highest it accepted for that topic, a past expiry, another audience.
+    sequence: Annotated[int, Field(ge=1, le=2**63 - 1)] | None = None
+    expires_at: UtcDatetime | None = None
+    fleet: FleetName | None = None
+    agent: AgentName | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ModelManifest:

@@ -703,6 +703,7 @@ def _run(
                 fleet=FLEET,
                 name=MODEL,
                 version=ref_version,
+                key=key,
             )
             params: dict[str, Any] = {
                 "fleet": FLEET,

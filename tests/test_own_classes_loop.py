@@ -227,6 +227,7 @@ def test_own_classes_train_serve_verify_review_distill_deliver(
                 fleet=FLEET,
                 name=first.name,
                 version=first.version,
+                key=state.signing_key,
             )
             one_time, _ = crud.create_enrollment_token(
                 session=s, fleet=FLEET, agent_id="cam-1", ttl_s=600

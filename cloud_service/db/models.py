@@ -123,7 +123,12 @@ class Sample(Base):
         Index("ix_samples_status_captured", "status", "captured_at", "sample_id"),
     )
 
+    # The cloud's id: the agent's own unless another agent's sample already held it
+    # (then derived from fleet, agent and the agent's id; migration 0006).
     sample_id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    # The id the agent gave it (receipts and verdicts go back with it); NULL on rows
+    # stored before 0006 backfilled it means the same as sample_id.
+    edge_sample_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
     fleet: Mapped[str] = mapped_column(String(64), index=True)
     agent_id: Mapped[str] = mapped_column(String(64))
     captured_at: Mapped[datetime] = mapped_column()
@@ -254,6 +259,16 @@ class AgentOverride(Base):
     kind: Mapped[str] = mapped_column(String(16))  # "canary" or "pin"
     rollout_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class AnnouncementSequence(Base):
+    """The last model-announcement sequence a fleet used (they only grow; see registry)."""
+
+    __tablename__ = "announcement_sequences"
+
+    fleet: Mapped[str] = mapped_column(String(64), primary_key=True)
+    last_sequence: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class Rollout(Base):

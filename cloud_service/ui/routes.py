@@ -567,15 +567,25 @@ def rollout_action(
 ) -> Response:
     if action not in ("promote", "abort"):
         raise NotFoundError(f"no rollout action {action!r}")
-    fn = rollout.promote_rollout if action == "promote" else rollout.abort_rollout
     try:
-        fn(
-            session=session,
-            announcer=state.get_announcer(),
-            topics=state.settings.topics,
-            rollout_id=rollout_id,
-            reason=f"{action}d by {user.username} in the review UI",
-        )
+        if action == "promote":
+            rollout.promote_rollout(
+                session=session,
+                announcer=state.get_announcer(),
+                topics=state.settings.topics,
+                rollout_id=rollout_id,
+                key=state.signing_key,
+                reason=f"{action}d by {user.username} in the review UI",
+                ttl=state.settings.announcement_ttl,
+            )
+        else:
+            rollout.abort_rollout(
+                session=session,
+                announcer=state.get_announcer(),
+                topics=state.settings.topics,
+                rollout_id=rollout_id,
+                reason=f"{action}d by {user.username} in the review UI",
+            )
         notice = f"rollout {rollout_id}: {action}d"
     except ConflictError as exc:
         notice = exc.message

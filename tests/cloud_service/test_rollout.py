@@ -110,6 +110,7 @@ def tick(client: TestClient, *, after_s: float = 0.0) -> list[tuple[int, str]]:
             session=session,
             announcer=state.announcer,
             topics=TOPICS,
+            key=state.signing_key,
             now=datetime.now(UTC) + timedelta(seconds=after_s),
         )
 

@@ -30,6 +30,7 @@ from distill.store import DatasetSnapshot
 from distill.worker import DistillWorker
 from shared.ids import SampleIdGenerator
 from shared.manifest import FleetSigningKey
+from shared.messages import ModelAnnouncement, decode_message
 from shared.topics import Topics
 
 FLEET = "line-1"
@@ -233,6 +234,7 @@ def setup(
             fleet=FLEET,
             name="edgeloop-student",
             version="ref",
+            key=key,
         )
     # 200 stream frames under blur, labelled by the teacher (what the verifier stores).
     stream = render_split("stream", quick_scenario)
@@ -309,7 +311,9 @@ def test_a_quick_job_end_to_end_registers_and_delivers(setup: dict[str, Any]) ->
         fleet = s.get(FleetModel, FLEET)
         assert fleet is not None and fleet.version == version and fleet.history == ["ref"]
     topic = setup["topics"].fleet_models(FLEET)
-    assert setup["announcer"].retained[topic] == record.announcement
+    announced = decode_message(setup["announcer"].retained[topic], ModelAnnouncement).manifest
+    assert (announced.version, announced.sha256) == (record.version, record.sha256)
+    assert announced.fleet == FLEET and announced.sequence is not None
 
 
 def test_a_job_with_candidates_keeps_the_lowest_validation_nll(setup: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ from tests.edge_agent.test_http import MemoryPublisher
 
 @pytest.fixture
 def client(make_settings: Callable[..., AgentSettings], engine: object) -> Iterator[httpx.Client]:
-    settings = make_settings()
+    settings = make_settings(local_api_token="local-token")
     with (
         Agent(settings, engine=engine, publisher=MemoryPublisher()) as agent,  # type: ignore[arg-type]
         ApiServer(create_app(agent)) as server,
@@ -43,9 +43,12 @@ def test_a_form_body_is_refused(client: httpx.Client, content_type: str) -> None
 
 def test_a_local_client_and_a_same_origin_page_reach_the_updater(client: httpx.Client) -> None:
     # No earlier model to go back to: the updater's own 409, not the cross-site refusal.
-    plain = client.post("/v1/model/rollback")
+    token = {"Authorization": "Bearer local-token"}
+    plain = client.post("/v1/model/rollback", headers=token)
     same = client.post(
-        "/v1/model/rollback", headers={"Origin": str(client.base_url).rstrip("/")}, json={}
+        "/v1/model/rollback",
+        headers={"Origin": str(client.base_url).rstrip("/"), **token},
+        json={},
     )
     for answer in (plain, same):
         assert answer.status_code == 409, answer.text

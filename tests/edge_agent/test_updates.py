@@ -28,7 +28,7 @@ from shared.messages import ModelStatus, decode_message, encode_message
 
 KEY = FleetSigningKey.generate()
 OTHER_KEY = FleetSigningKey.generate()
-CLOUD = "http://cloud.test"
+CLOUD = "http://127.0.0.1:8080"  # a loopback cloud: the agent sends its token over http
 
 
 class CloudDouble:

@@ -66,6 +66,7 @@ def test_offline_agent_catches_up_and_swaps_under_load(
             fleet="test-fleet",
             name="tiny-student",
             version="v2",
+            key=state.signing_key,
         )
     with ApiServer(app) as server:
         settings = make_settings(
@@ -107,6 +108,7 @@ def test_offline_agent_catches_up_and_swaps_under_load(
                         fleet="test-fleet",
                         name="tiny-student",
                         version="v3",
+                        key=state.signing_key,
                     )
                 assert until(lambda: agent.engine.version == "v3", timeout=30)
                 assert until(lambda: "v3" in versions, timeout=10)

@@ -374,6 +374,7 @@ def promote_model(
     session: SessionDep,
     announcer: AnnouncerDep,
     settings: SettingsDep,
+    state: StateDep,
     _admin: AdminDep,
 ) -> ServingOut:
     """Announce this version to the whole fleet (retained); canary overrides are withdrawn."""
@@ -384,6 +385,8 @@ def promote_model(
         fleet=body.fleet,
         name=name,
         version=version,
+        key=state.signing_key,
+        ttl=settings.announcement_ttl,
     )
     return ServingOut.model_validate(serving)
 
@@ -395,11 +398,18 @@ def rollback_model(
     session: SessionDep,
     announcer: AnnouncerDep,
     settings: SettingsDep,
+    state: StateDep,
     _admin: AdminDep,
 ) -> ServingOut:
     """Announce the version the fleet served before the current one."""
     serving = registry.rollback(
-        session=session, announcer=announcer, topics=settings.topics, fleet=body.fleet, name=name
+        session=session,
+        announcer=announcer,
+        topics=settings.topics,
+        fleet=body.fleet,
+        name=name,
+        key=state.signing_key,
+        ttl=settings.announcement_ttl,
     )
     return ServingOut.model_validate(serving)
 
@@ -412,6 +422,7 @@ def pin_model(
     session: SessionDep,
     announcer: AnnouncerDep,
     settings: SettingsDep,
+    state: StateDep,
     _admin: AdminDep,
 ) -> dict[str, Any]:
     """Hold these agents on this version (a per-agent retained announcement)."""
@@ -423,6 +434,8 @@ def pin_model(
         name=name,
         version=version,
         agents=body.agents,
+        key=state.signing_key,
+        ttl=settings.announcement_ttl,
     )
     return {"pinned": body.agents, "version": version}
 
@@ -458,6 +471,7 @@ def create_rollout(
     session: SessionDep,
     announcer: AnnouncerDep,
     settings: SettingsDep,
+    state: StateDep,
     _admin: AdminDep,
 ) -> RolloutOut:
     """Start a canary: a cohort by percentage or by name, criteria for abort and promotion."""
@@ -471,6 +485,8 @@ def create_rollout(
         percent=body.percent,
         agents=body.agents,
         criteria=body.criteria,
+        key=state.signing_key,
+        ttl=settings.announcement_ttl,
     )
     return _rollout_out(item)
 
@@ -494,6 +510,7 @@ def promote_rollout(
     session: SessionDep,
     announcer: AnnouncerDep,
     settings: SettingsDep,
+    state: StateDep,
     _admin: AdminDep,
     body: ReasonIn | None = None,
 ) -> RolloutOut:
@@ -502,6 +519,8 @@ def promote_rollout(
         announcer=announcer,
         topics=settings.topics,
         rollout_id=rollout_id,
+        key=state.signing_key,
+        ttl=settings.announcement_ttl,
         reason=(body.reason if body and body.reason else "promoted by hand"),
     )
     return _rollout_out(item)
