@@ -2,18 +2,64 @@
 
 from __future__ import annotations
 
+import ipaddress
+import math
+from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 
+from shared.http_limits import ServerLimits
+from shared.images import DEFAULT_ISOLATE_COST
 from shared.settings import EdgeLoopSettings
 
-__all__ = ["DEV_ADMIN_TOKEN", "DEV_SESSION_SECRET", "CloudSettings"]
+__all__ = ["DEV_ADMIN_TOKEN", "DEV_SESSION_SECRET", "CloudSettings", "secret_weakness"]
 
 # Known to everyone who reads this file: fine on a laptop, refused in production.
 DEV_SESSION_SECRET = "edgeloop-development-session-secret"
 DEV_ADMIN_TOKEN = "edgeloop-development-admin-token"
+MIN_SECRET_CHARS = 32
+MIN_SECRET_DISTINCT = 10
+MIN_SECRET_BITS = 128
+
+
+def secret_weakness(value: str) -> str | None:
+    """Why ``value`` is too weak for a production secret, or None when it is not."""
+    if len(value) < MIN_SECRET_CHARS:
+        return f"is shorter than {MIN_SECRET_CHARS} characters"
+    distinct = len(set(value))
+    # Length x log2(alphabet seen): a generous upper bound on the entropy. Random hex
+    # (openssl rand -hex 32) often lacks one of its 16 digits, so the distinct-character
+    # floor is lower and the bound carries the rest: 32 characters need 16 distinct ones.
+    if distinct < MIN_SECRET_DISTINCT or len(value) * math.log2(distinct) < MIN_SECRET_BITS:
+        return f"has low entropy ({distinct} distinct characters in {len(value)})"
+    period = _shortest_period(value)
+    if period <= len(value) // 2:
+        return f"repeats a {period}-character pattern"
+    return None
+
+
+def _shortest_period(value: str) -> int:
+    """The smallest p with value[i] == value[i - p] for every i >= p (KMP's failure table)."""
+    fail = [0] * len(value)
+    k = 0
+    for i in range(1, len(value)):
+        while k and value[i] != value[k]:
+            k = fail[k - 1]
+        if value[i] == value[k]:
+            k += 1
+        fail[i] = k
+    return len(value) - (fail[-1] if value else 0)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class CloudSettings(EdgeLoopSettings):
@@ -77,6 +123,28 @@ class CloudSettings(EdgeLoopSettings):
     )
     shed_priority_at_least: int = Field(
         default=8, ge=0, le=9, description="sample priorities (0 most urgent) that are shed first"
+    )
+
+    # Verifier inbox and breaker
+    inbox_max_messages: int = Field(
+        default=2000,
+        ge=1,
+        le=65_535,
+        description="messages the verifier holds between the broker and its store at once;"
+        " also its MQTT v5 Receive Maximum",
+    )
+    inbox_max_bytes: int = Field(
+        default=128 * 1024 * 1024,
+        ge=64 * 1024,
+        description="payload bytes the verifier holds between the broker and its store; when"
+        " full, QoS 1 messages wait in the broker (the MQTT thread stops reading) and QoS 0"
+        " messages are dropped and counted",
+    )
+    breaker_log_every_s: float = Field(
+        default=10.0,
+        ge=0.0,
+        le=3600.0,
+        description="at most one log line per dead-letter reason this often (the rest counted)",
     )
 
     blob_dir: Path | None = Field(default=None, description="image store; data_dir/blobs if unset")
@@ -158,6 +226,25 @@ class CloudSettings(EdgeLoopSettings):
         default=65536, ge=0, description="bytes of a refused payload kept for inspection"
     )
 
+    # Decode budget (shared/decode_pool.py)
+    decode_budget_ms: float = Field(
+        default=1500.0,
+        gt=0.0,
+        le=600_000.0,
+        description="time one isolated image (progressive JPEG, costly) may take to decode;"
+        " past it its decoder process is killed and the sample dead-lettered"
+        " (image_decode_timeout)",
+    )
+    decode_workers: int = Field(
+        default=2, ge=1, le=64, description="decoder processes for isolated images"
+    )
+    decode_isolate_cost: int = Field(
+        default=DEFAULT_ISOLATE_COST,
+        ge=1,
+        description="pixels times scans above which any image is decoded in a decoder process"
+        " (progressive JPEGs always are)",
+    )
+
     # Model registry and rollouts.
     model_retention_keep: int = Field(
         default=10, ge=1, description="newest versions of a model whose artifacts are kept"
@@ -171,11 +258,123 @@ class CloudSettings(EdgeLoopSettings):
     announcer_client_id: str = Field(
         default="edgeloop-announcer", description="MQTT client id prefix of the announcer"
     )
+    announcement_ttl_days: float = Field(
+        default=30.0,
+        gt=0,
+        le=3650,
+        description="how long agents may act on a model announcement; the rollout loop signs"
+        " a retained one again after half of it",
+    )
 
     # Review rules.
     review_confidence_below: float = Field(default=0.5, ge=0.0, le=1.0)
     review_on_disagreement: bool = True
     review_audit_share: float = Field(default=0.02, ge=0.0, le=1.0)
+
+    # HTTP limits (shared/http_limits.py)
+    http_max_body_bytes: int = Field(
+        default=1 << 20, ge=1024, description="body limit of the routes without one of their own"
+    )
+    http_max_model_bytes: int = Field(
+        default=256 << 20,
+        ge=1 << 20,
+        description="body limit of POST /v1/models (a multipart ONNX upload)",
+    )
+    http_max_infer_bytes: int | None = Field(
+        default=None,
+        ge=1024,
+        description="body limit of V2 infer requests; None: the V2 routes' own MAX_BODY_BYTES",
+    )
+    http_header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="a request head must be complete within this of the connection"
+        " or of the previous response, else the connection is closed",
+    )
+    http_keep_alive_s: int = Field(
+        default=5, ge=1, le=300, description="idle keep-alive connections close after this"
+    )
+    http_limit_concurrency: int | None = Field(
+        default=1000, ge=1, description="connections at once; over it, 503; None: no limit"
+    )
+    http_backlog: int = Field(default=2048, ge=1, le=65535, description="the listen backlog")
+    http_max_head_bytes: int = Field(
+        default=16384, ge=1024, le=1 << 20, description="request line and headers together"
+    )
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="IPs and CIDR blocks of reverse proxies whose X-Forwarded-For and"
+        " X-Forwarded-Proto are believed; from any other peer they are ignored",
+    )
+    cookie_secure: bool | None = Field(
+        default=None,
+        description="mark the review UI's cookies Secure; None: always in production,"
+        " in development when the request came over HTTPS (directly or via a trusted proxy)",
+    )
+    v2_auth: bool | None = Field(
+        default=None,
+        description="the V2 endpoints need the admin token or an agent's API token;"
+        " None: in production only",
+    )
+    docs_public: bool | None = Field(
+        default=None,
+        description="/docs, /redoc and /openapi.json answer without credentials (else the"
+        " admin token or a UI session); None: in development only",
+    )
+    metrics_auth: bool | None = Field(
+        default=None,
+        description="/metrics needs metrics_token or the admin token; None: in production only",
+    )
+    metrics_token: SecretStr | None = Field(
+        default=None, description="bearer token Prometheus scrapes /metrics with"
+    )
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _check_proxies(cls, value: list[str]) -> list[str]:
+        from shared.http_limits import parse_networks
+
+        parse_networks(value)  # ValueError names the entry that is not an address or block
+        return value
+
+    @property
+    def http_server_limits(self) -> ServerLimits:
+        return ServerLimits(
+            header_timeout_s=self.http_header_timeout_s,
+            keep_alive_s=self.http_keep_alive_s,
+            limit_concurrency=self.http_limit_concurrency,
+            backlog=self.http_backlog,
+            max_head_bytes=self.http_max_head_bytes,
+        )
+
+    @property
+    def resolved_v2_auth(self) -> bool:
+        return self.env == "production" if self.v2_auth is None else self.v2_auth
+
+    @property
+    def resolved_docs_public(self) -> bool:
+        return self.env != "production" if self.docs_public is None else self.docs_public
+
+    @property
+    def resolved_metrics_auth(self) -> bool:
+        return self.env == "production" if self.metrics_auth is None else self.metrics_auth
+
+    @property
+    def resolved_cookie_secure(self) -> bool | None:
+        """True: always Secure; None: when the request came over HTTPS."""
+        if self.cookie_secure is None:
+            return True if self.env == "production" else None
+        return self.cookie_secure or None
+
+    @field_validator("verifier_client_id", "announcer_client_id")
+    @classmethod
+    def _check_client_id(cls, value: str) -> str:
+        # Agents' client ids are their broker users, {fleet}.{agent}: a dot-free service
+        # id can never be one of them (cloud_service/brokerconf.py).
+        if not value or "." in value:
+            raise ValueError("a service's MQTT client id must be non-empty and hold no dot")
+        return value
 
     @field_validator("preferred_batch_sizes")
     @classmethod
@@ -183,6 +382,10 @@ class CloudSettings(EdgeLoopSettings):
         if any(size < 1 for size in value):
             raise ValueError("preferred batch sizes must be positive")
         return sorted(set(value))
+
+    @property
+    def announcement_ttl(self) -> timedelta:
+        return timedelta(days=self.announcement_ttl_days)
 
     @property
     def resolved_signing_key_file(self) -> Path:
@@ -206,12 +409,71 @@ class CloudSettings(EdgeLoopSettings):
 
     def production_problems(self) -> list[str]:
         problems = super().production_problems()
-        if self.session_secret.get_secret_value() == DEV_SESSION_SECRET:
+        if self.resolved_database_url.startswith("sqlite"):
+            problems.append("SQLite is the development database: set EDGELOOP_DATABASE_URL")
+        secrets = (
+            ("session secret", "EDGELOOP_SESSION_SECRET", self.session_secret, DEV_SESSION_SECRET),
+            ("admin token", "EDGELOOP_ADMIN_TOKEN", self.admin_token, DEV_ADMIN_TOKEN),
+        )
+        for name, variable, secret, default in secrets:
+            value = secret.get_secret_value()
+            if value == default:
+                problems.append(f"the {name} is the development default: set {variable}")
+            elif weakness := secret_weakness(value):
+                problems.append(
+                    f"the {name} {weakness}: set {variable} to a random value "
+                    "(e.g. `openssl rand -hex 32`)"
+                )
+        if not self.broker_auth:
             problems.append(
-                "the session secret is the development default: set EDGELOOP_SESSION_SECRET"
+                "broker_auth is off: agents would share an anonymous broker; set "
+                "EDGELOOP_BROKER_AUTH=true (per-agent broker users, `cloud-service broker-config`)"
             )
-        if self.admin_token.get_secret_value() == DEV_ADMIN_TOKEN:
-            problems.append("the admin token is the development default: set EDGELOOP_ADMIN_TOKEN")
-        if len(self.admin_token.get_secret_value()) < 24:
-            problems.append("the admin token is shorter than 24 characters")
+        # The API speaks plain HTTP: off loopback, a TLS-terminating proxy must sit in front.
+        if not _is_loopback(self.http_host) and not self.trusted_proxies:
+            problems.append(
+                f"the API listens on {self.http_host} with plain HTTP: put a TLS-terminating "
+                "proxy in front and list it in EDGELOOP_TRUSTED_PROXIES, or listen on 127.0.0.1"
+            )
+        for field in sorted(type(self).model_fields):
+            is_rate = field.startswith("rate_limit_") and field.endswith("_per_min")
+            if is_rate and getattr(self, field) == 0:
+                problems.append(f"{field} is 0 (no limit): set EDGELOOP_{field.upper()} above 0")
+        problems += self._http_problems()
+        return problems
+
+    def _http_problems(self) -> list[str]:
+        """The HTTP surface's unsafe settings (shared/http_limits.py)."""
+        problems: list[str] = []
+        if not self.resolved_v2_auth:
+            problems.append("v2_auth is off: anyone could run the teacher (EDGELOOP_V2_AUTH)")
+        if self.resolved_docs_public:
+            problems.append("docs_public is on: the API's schema is open (EDGELOOP_DOCS_PUBLIC)")
+        if not self.resolved_metrics_auth:
+            problems.append(
+                "metrics_auth is off: /metrics names every agent (EDGELOOP_METRICS_AUTH)"
+            )
+        elif self.metrics_token is None:
+            problems.append(
+                "metrics_token is unset: Prometheus would scrape with the admin token;"
+                " set EDGELOOP_METRICS_TOKEN"
+            )
+        elif weakness := secret_weakness(self.metrics_token.get_secret_value()):
+            problems.append(f"the metrics token {weakness}: set EDGELOOP_METRICS_TOKEN")
+        if self.cookie_secure is False:
+            problems.append("cookie_secure is off: session cookies would travel over plain HTTP")
+        for block in self.trusted_proxies:
+            network = ipaddress.ip_network(block, strict=False)
+            if network.prefixlen == 0 or network.is_global:
+                problems.append(
+                    f"trusted_proxies holds {block}: anyone there could forge X-Forwarded-For;"
+                    " list only the proxies' own private addresses"
+                )
+        if self.http_limit_concurrency is None:
+            problems.append("http_limit_concurrency is unset: connections are unbounded")
+        if self.http_header_timeout_s > 60:
+            problems.append(
+                f"http_header_timeout_s is {self.http_header_timeout_s:g}: slow request heads"
+                " would hold connections; keep it at 60 s or less"
+            )
         return problems

@@ -8,13 +8,18 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from edge_agent.routing import DEFAULT_ORDER, RoutingPolicy, Strategy
 from shared.errors import InvalidIdError
+from shared.images import DEFAULT_ISOLATE_COST
 from shared.settings import EdgeLoopSettings
 from shared.topics import validate_id
+
+# Addresses only this machine reaches (an API bound elsewhere is on the network).
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 __all__ = [
     "AgentSettings",
@@ -82,8 +87,23 @@ class AgentSettings(EdgeLoopSettings):
         default=None, description="base64 ed25519 key that signs this fleet's models"
     )
     key_id: str | None = None
-    cloud_url: str | None = None
-    api_token: SecretStr | None = None
+    cloud_url: str | None = Field(
+        default=None, description="the cloud this agent enrolled with (https in production)"
+    )
+    api_token: SecretStr | None = Field(
+        default=None,
+        description="bearer token for the cloud's API; sent only to cloud_url's origin over https",
+    )
+    local_api_token: SecretStr | None = Field(
+        default=None,
+        description="bearer token the agent's own API requires on its mutating routes"
+        " (`edge-agent enroll` writes one); default: read from local_api_token_file",
+    )
+    local_api_token_file: Path | None = Field(
+        default=None,
+        description="file holding local_api_token (mode 0600); default"
+        " {data_dir}/local-api-token, created by the agent when no token is set",
+    )
 
     # Model and inference.
     model_path: Path | None = Field(
@@ -164,6 +184,23 @@ class AgentSettings(EdgeLoopSettings):
     http_decode_threads: int = Field(
         default=2, ge=1, le=64, description="threads decoding uploads beside inference"
     )
+    # Decode budget (shared/decode_pool.py)
+    decode_budget_ms: float = Field(
+        default=1500.0,
+        gt=0,
+        le=600_000,
+        description="time one isolated image (progressive JPEG, costly) may take to decode;"
+        " past it its decoder process is killed and the frame refused with 422",
+    )
+    decode_workers: int = Field(
+        default=2, ge=1, le=64, description="decoder processes for isolated images"
+    )
+    decode_isolate_cost: int = Field(
+        default=DEFAULT_ISOLATE_COST,
+        ge=1,
+        description="pixels times scans above which any image is decoded in a decoder process"
+        " (progressive JPEGs always are)",
+    )
     cameras: list[CameraSource] = Field(default_factory=list)
     folders: list[FolderSource] = Field(default_factory=list)
     results_kept: int = Field(default=10_000, ge=1)
@@ -178,6 +215,31 @@ class AgentSettings(EdgeLoopSettings):
     webhook_timeout_s: float = Field(default=5.0, gt=0)
     webhook_backoff_min_s: float = Field(default=0.5, gt=0)
     webhook_backoff_max_s: float = Field(default=30.0, gt=0)
+
+    # HTTP limits (shared/http_limits.py)
+    http_max_body_bytes: int = Field(
+        default=64 << 10,
+        ge=1024,
+        description="body limit of the local API's routes other than POST /v1/frames,"
+        " whose limit is max_image_bytes plus multipart framing",
+    )
+    http_header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="a request head must be complete within this of the connection"
+        " or of the previous response, else the connection is closed",
+    )
+    http_keep_alive_s: int = Field(
+        default=5, ge=1, le=300, description="idle keep-alive connections close after this"
+    )
+    http_limit_concurrency: int | None = Field(
+        default=256, ge=1, description="connections at once; over it, 503; None: no limit"
+    )
+    http_backlog: int = Field(default=256, ge=1, le=65535, description="the listen backlog")
+    http_max_head_bytes: int = Field(
+        default=16384, ge=1024, le=1 << 20, description="request line and headers together"
+    )
 
     @field_validator("fleet")
     @classmethod
@@ -196,7 +258,16 @@ class AgentSettings(EdgeLoopSettings):
             raise ValueError(f"webhook_url must be an http:// or https:// URL, got {value!r}")
         return value
 
-    @field_validator("model_path", "spool_path", "trt_cache_dir", mode="after")
+    @field_validator("cloud_url")
+    @classmethod
+    def _check_cloud_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"cloud_url must be an http:// or https:// URL, got {value!r}")
+        return value
+
+    @field_validator(
+        "model_path", "spool_path", "trt_cache_dir", "local_api_token_file", mode="after"
+    )
     @classmethod
     def _expand_paths(cls, value: Path | None) -> Path | None:
         return value.expanduser() if value is not None else None
@@ -209,11 +280,28 @@ class AgentSettings(EdgeLoopSettings):
         return self
 
     def production_problems(self) -> list[str]:
+        """The broker checks of every process, and the agent's own (it has no SQL database)."""
         problems = super().production_problems()
         if not self.fleet_public_key:
             problems.append(
                 "no fleet public key: the agent could not verify model updates "
                 "(run `edge-agent enroll` or set EDGELOOP_FLEET_PUBLIC_KEY)"
+            )
+        if not self.cloud_url:
+            problems.append(
+                "no cloud_url: the agent could not fetch model updates "
+                "(run `edge-agent enroll` or set EDGELOOP_CLOUD_URL)"
+            )
+        elif urlsplit(self.cloud_url).scheme.lower() != "https":
+            problems.append(
+                f"the cloud at {self.cloud_url} is reached without TLS: use https://"
+                " (the agent's token and model artifacts travel on it)"
+            )
+        explicit_token = self.local_api_token is not None or self.local_api_token_file is not None
+        if self.http_host not in _LOOPBACK and not explicit_token:
+            problems.append(
+                f"the agent's API listens on {self.http_host} without a configured local API"
+                " token: set EDGELOOP_LOCAL_API_TOKEN (or _FILE), or bind it to 127.0.0.1"
             )
         return problems
 
@@ -222,6 +310,10 @@ class AgentSettings(EdgeLoopSettings):
     @property
     def resolved_model_path(self) -> Path:
         return self.model_path or self.data_dir / "models" / "student.onnx"
+
+    @property
+    def resolved_local_api_token_file(self) -> Path:
+        return self.local_api_token_file or self.data_dir / "local-api-token"
 
     @property
     def resolved_spool_path(self) -> Path:

@@ -5,8 +5,9 @@ Values come from, highest priority first: keyword overrides (tests, CLI flags),
 flat keys named like the variables without the prefix, e.g. ``mqtt_url``), then
 the defaults below. The defaults are for development on one machine; with
 ``EDGELOOP_ENV=production`` the object refuses to exist while an unsafe default
-is still in place (anonymous broker, plaintext broker off loopback, default
-secrets in subclasses, SQLite).
+is still in place (anonymous broker, plaintext broker off loopback; each process
+adds its own: the cloud its secrets and SQLite, the agent its fleet key), listing
+every problem at once.
 """
 
 from __future__ import annotations
@@ -135,8 +136,6 @@ class EdgeLoopSettings(BaseSettings):
             )
         if not target.tls and target.host not in _LOOPBACK:
             problems.append(f"the broker at {target.host} is reached without TLS: use mqtts://")
-        if self.resolved_database_url.startswith("sqlite"):
-            problems.append("SQLite is the development database: set EDGELOOP_DATABASE_URL")
         return problems
 
     # Derived views: computed from the fields, never stored twice.

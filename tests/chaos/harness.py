@@ -529,8 +529,12 @@ ADMIN_TOKEN = "chaos-admin-token-0123456789abcdef"
 
 
 @contextmanager
-def api_process(rig: Rig, log: Path) -> Iterator[tuple[str, Callable[[], subprocess.Popen[bytes]]]]:
-    """``cloud-service api`` on a fixed free port, started on demand; all stopped at the end."""
+def api_process(
+    rig: Rig, log: Path, **extra_env: str
+) -> Iterator[tuple[str, Callable[[], subprocess.Popen[bytes]]]]:
+    """``cloud-service api`` on a fixed free port, started on demand; all stopped at the end.
+
+    ``extra_env`` adds or overrides ``EDGELOOP_*`` variables of the process."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {
@@ -547,6 +551,7 @@ def api_process(rig: Rig, log: Path) -> Iterator[tuple[str, Callable[[], subproc
         # The load is many requests from one address: limits are tested elsewhere.
         "EDGELOOP_RATE_LIMIT_ENROLL_PER_MIN": "0",
         "EDGELOOP_RATE_LIMIT_UPLOAD_PER_MIN": "0",
+        **extra_env,
     }
     started: list[subprocess.Popen[bytes]] = []
     command = [sys.executable, "-m", "cloud_service", "api", "--host", "127.0.0.1"]

@@ -82,8 +82,10 @@ def test_production_accepts_safe_settings(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("EDGELOOP_ENV", "production")
     monkeypatch.setenv("EDGELOOP_MQTT_URL", "mqtts://verifier:s3cret@broker.internal:8883")
     monkeypatch.setenv("EDGELOOP_DATABASE_URL", "postgresql+psycopg://edgeloop@db/edgeloop")
-    monkeypatch.setenv("EDGELOOP_SESSION_SECRET", "a-real-secret-from-the-vault")
-    monkeypatch.setenv("EDGELOOP_ADMIN_TOKEN", "an-admin-token-from-the-vault")
+    monkeypatch.setenv("EDGELOOP_SESSION_SECRET", "a-real-secret-from-the-vault-7Qk2xW9p")
+    monkeypatch.setenv("EDGELOOP_ADMIN_TOKEN", "an-admin-token-from-the-vault-Zr4mT8v")
+    monkeypatch.setenv("EDGELOOP_BROKER_AUTH", "true")
+    monkeypatch.setenv("EDGELOOP_METRICS_TOKEN", "a-scrape-token-from-the-vault-Hy6nP3q")
     settings = CloudSettings.load()
     assert settings.mqtt.username == "verifier" and settings.mqtt.tls
     assert "s3cret" not in repr(settings.mqtt)
