@@ -2,6 +2,12 @@
 
     .venv/bin/python scripts/chaos.py [--only NAME ...] [--offline-s 300] [--pg-down-s 30]
                                       [--json]
+    .venv/bin/python scripts/chaos.py --attacks [--only NAME ...] [--json]
+
+``--attacks`` plays the attackers of tests/chaos/attacks.py instead (JPEG bombs,
+junk on an agent's topic, reused sample ids, oversized unauthenticated bodies, slow
+request heads, NUL and overflow inputs) beside legitimate traffic, and prints per
+attack: hostile inputs tried, refused, accepted, crashes, legitimate data lost.
 
 Scenarios (tests/chaos/harness.py): broker restart mid-stream, verifier SIGKILL
 (several), API SIGKILL and restart (several) under enroll/poll/infer/label load,
@@ -36,8 +42,49 @@ from tests.chaos.harness import (
 )
 
 
+def run_attacks(only: list[str] | None, as_json: bool) -> None:
+    from tests.chaos import attacks
+
+    plan = {
+        "scan_bombs": lambda rig: attacks.scan_bombs(rig, bombs=8, frames_n=300),
+        "junk_on_agent_topic": lambda rig: attacks.junk_on_agent_topic(rig, junk=200),
+        "sample_id_collision": lambda rig: attacks.sample_id_collision(rig, n=100),
+        "oversized_bodies": lambda rig: attacks.oversized_bodies(rig, mb=200, parallel=4),
+        "slow_headers": lambda rig: attacks.slow_headers(rig, connections=200),
+        "nul_inputs": attacks.nul_inputs,
+    }
+    rows: list[dict[str, object]] = []
+    for name, attack in plan.items():
+        if only and name not in only:
+            continue
+        folder = Path(tempfile.mkdtemp(prefix=f"edgeloop-attack-{name}-"))
+        rig = Rig(folder)
+        start = time.monotonic()
+        try:
+            row = attack(rig).row()
+        finally:
+            rig.close()
+            shutil.rmtree(folder, ignore_errors=True)
+        row["seconds"] = round(time.monotonic() - start, 1)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    else:
+        cols = ["finding", "attack", "tried", "refused", "accepted", "crashes"]
+        cols += ["legit_sent", "legit_lost", "ok", "seconds"]
+        print(" | ".join(cols))
+        for row in rows:
+            print(" | ".join(str(row[c]) for c in cols))
+        for row in rows:
+            if row["notes"]:
+                print(f"{row['finding']}: {row['notes']}")
+    sys.exit(0 if all(r["ok"] for r in rows) else 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--attacks", action="store_true", help="attacks instead of faults")
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--frames", type=int, default=1000)
     parser.add_argument("--offline-s", type=float, default=300.0)
@@ -45,6 +92,9 @@ def main() -> None:
     parser.add_argument("--pg-down-s", type=float, default=30.0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.attacks:
+        run_attacks(args.only, args.json)
+        return
     plan = {
         "broker_restart": lambda rig: broker_restart(rig, frames_n=args.frames, down_s=5.0),
         "verifier_sigkill": lambda rig: verifier_sigkill(

@@ -75,6 +75,7 @@ class AttackOutcome:
     crashes: int = 0
     legit_sent: int = 0
     legit_lost: int = 0
+    rss_growth_mb: float = 0.0  # the attacked process's peak RSS over its RSS before
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -344,6 +345,7 @@ def oversized_bodies(rig: Rig, *, mb: int = 200, parallel: int = 4) -> AttackOut
         outcome.crashes = sum(1 for s in statuses if s >= 500) + (process.poll() is not None)
         outcome.legit_sent = 1
         outcome.legit_lost = int(legit != 200)
+        outcome.rss_growth_mb = peak - before
         outcome.notes.append(
             f"API RSS {before:.0f} MB before, peak {peak:.0f} MB (+{peak - before:.0f} MB);"
             f" answers {sorted(set(statuses))}"
