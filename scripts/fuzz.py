@@ -4,7 +4,9 @@
                                      [--json]
 
 Targets: envelope decoding, manifest (announcement) verification, the edge agent's
-frame upload (``POST /v1/frames`` on its HTTP app, in-process) and MQTT ingest's
+frame upload (``POST /v1/frames`` on its HTTP app, in-process; JPEG scan bombs among
+the inputs), its request lines (paths and queries with every latin-1 character,
+NUL included) and MQTT ingest's
 message classifier (what the verifier runs on every message); then schemathesis
 against the cloud API's OpenAPI document, served by uvicorn on a loopback port,
 ``--api-cases`` generated requests per operation and mode (valid and schema-breaking;
@@ -96,6 +98,14 @@ def fuzz_inputs(cases: int) -> list[dict[str, Any]]:
                     cases,
                     st.tuples(t.FRAMES, t.FRAME_TYPES),
                     lambda body, ctype: t.check_frame(client, body, ctype),
+                )
+            )
+            results.append(
+                run_target(
+                    "agent request lines (GET /v1/...)",
+                    cases,
+                    st.tuples(t.URL_TEXT, t.URL_TEXT),
+                    lambda path, query: t.check_request_line(client, path, query),
                 )
             )
     return results

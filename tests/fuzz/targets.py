@@ -12,15 +12,18 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import quote
 
 from hypothesis import strategies as st
 
 from shared.envelope import EnvelopeLimits, decode_envelope, encode_envelope
 from shared.errors import EdgeLoopError
+from shared.images import MAX_JPEG_SCANS
 from shared.manifest import FleetSigningKey, ModelManifest, sign_manifest, verify_manifest_bytes
 from shared.messages import encode_message
 from shared.topics import Topics
 from tests.cloud_service.conftest import image_bytes, make_header
+from tests.shared.jpeg_bomb import progressive_jpeg, scan_bomb
 from tests.shared.test_manifest import manifest_fields
 
 LIMITS = EnvelopeLimits(max_header_bytes=4096, max_image_bytes=200_000, max_pixels=1_000_000)
@@ -55,12 +58,18 @@ def payloads(seed: bytes) -> st.SearchStrategy[bytes]:
     return st.one_of(st.binary(max_size=4096), mutated(seed), st.just(seed))
 
 
+def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.lists(children, max_size=4) | st.dictionaries(
+        st.text(max_size=10), children, max_size=4
+    )
+
+
 ENVELOPES = payloads(VALID_ENVELOPE)
 ANNOUNCEMENTS = st.one_of(
     payloads(VALID_ANNOUNCEMENT),
     st.recursive(
         st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=10), c, max_size=4),
+        _containers,
         max_leaves=10,
     ).map(lambda v: __import__("json").dumps(v).encode()),
 )
@@ -86,7 +95,18 @@ INGEST_PAYLOADS = st.one_of(
 FRAME_TYPES = st.sampled_from(
     ["image/jpeg", "image/png", "application/octet-stream", "text/plain", "", "image/gif"]
 )
-FRAMES = st.one_of(payloads(_IMAGE), payloads(_PNG), st.binary(max_size=2048))
+# JPEG bombs: over the scan limit (refused before decoding), at it, and mutated.
+_BOMBS = [scan_bomb(MAX_JPEG_SCANS + 1, size=32), scan_bomb(MAX_JPEG_SCANS * 8, size=32)]
+FRAMES = st.one_of(
+    payloads(_IMAGE),
+    payloads(_PNG),
+    st.sampled_from(_BOMBS),
+    payloads(_BOMBS[0]),
+    payloads(progressive_jpeg(32)),
+    st.binary(max_size=2048),
+)
+# Paths and query strings with every latin-1 character, NUL and the other controls included.
+URL_TEXT = st.text(alphabet=st.characters(codec="latin-1"), max_size=40)
 
 
 def check_envelope(data: bytes) -> str:
@@ -124,6 +144,15 @@ def frame_client(agent: Any) -> Iterator[Any]:
 
     with TestClient(create_app(agent), raise_server_exceptions=False) as client:
         yield client
+
+
+def check_request_line(client: Any, path: str, query: str) -> str:
+    """GET the agent's API at an arbitrary path and query: a 4xx or an answer, never a 5xx."""
+    url = "/v1/" + quote(path, safe="/") + "?q=" + quote(query, safe="")
+    response = client.get(url)
+    if response.status_code >= 500:
+        raise AssertionError(f"5xx from GET {url!r}: {response.status_code}")
+    return str(response.status_code)
 
 
 def check_frame(client: Any, body: bytes, content_type: str) -> str:

@@ -15,10 +15,12 @@ from tests.fuzz.targets import (
     FRAMES,
     INGEST_PAYLOADS,
     INGEST_TOPICS,
+    URL_TEXT,
     check_envelope,
     check_frame,
     check_ingest,
     check_manifest,
+    check_request_line,
     frame_client,
 )
 
@@ -86,3 +88,18 @@ def test_targets_reach_both_outcomes() -> None:
     assert check_envelope(VALID_ENVELOPE) == "accepted"
     assert check_manifest(VALID_ANNOUNCEMENT) == "accepted"
     assert check_envelope(b"nope").startswith("refused")
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(path=URL_TEXT, query=URL_TEXT)
+def test_agent_request_lines_never_5xx(frames_client: Any, path: str, query: str) -> None:
+    check_request_line(frames_client, path, query)
+
+
+def test_control_characters_in_a_query_answer_400(frames_client: Any) -> None:
+    assert check_request_line(frames_client, "samples/x", "a\x00b") == "400"
