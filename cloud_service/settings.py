@@ -10,8 +10,6 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 
-from shared.http_limits import ServerLimits
-from shared.images import DEFAULT_ISOLATE_COST
 from shared.settings import EdgeLoopSettings
 
 __all__ = ["DEV_ADMIN_TOKEN", "DEV_SESSION_SECRET", "CloudSettings", "secret_weakness"]
@@ -226,25 +224,6 @@ class CloudSettings(EdgeLoopSettings):
         default=65536, ge=0, description="bytes of a refused payload kept for inspection"
     )
 
-    # Decode budget (shared/decode_pool.py)
-    decode_budget_ms: float = Field(
-        default=1500.0,
-        gt=0.0,
-        le=600_000.0,
-        description="time one isolated image (progressive JPEG, costly) may take to decode;"
-        " past it its decoder process is killed and the sample dead-lettered"
-        " (image_decode_timeout)",
-    )
-    decode_workers: int = Field(
-        default=2, ge=1, le=64, description="decoder processes for isolated images"
-    )
-    decode_isolate_cost: int = Field(
-        default=DEFAULT_ISOLATE_COST,
-        ge=1,
-        description="pixels times scans above which any image is decoded in a decoder process"
-        " (progressive JPEGs always are)",
-    )
-
     # Model registry and rollouts.
     model_retention_keep: int = Field(
         default=10, ge=1, description="newest versions of a model whose artifacts are kept"
@@ -285,23 +264,6 @@ class CloudSettings(EdgeLoopSettings):
         ge=1024,
         description="body limit of V2 infer requests; None: the V2 routes' own MAX_BODY_BYTES",
     )
-    http_header_timeout_s: float = Field(
-        default=10.0,
-        gt=0,
-        le=300,
-        description="a request head must be complete within this of the connection"
-        " or of the previous response, else the connection is closed",
-    )
-    http_keep_alive_s: int = Field(
-        default=5, ge=1, le=300, description="idle keep-alive connections close after this"
-    )
-    http_limit_concurrency: int | None = Field(
-        default=1000, ge=1, description="connections at once; over it, 503; None: no limit"
-    )
-    http_backlog: int = Field(default=2048, ge=1, le=65535, description="the listen backlog")
-    http_max_head_bytes: int = Field(
-        default=16384, ge=1024, le=1 << 20, description="request line and headers together"
-    )
     trusted_proxies: list[str] = Field(
         default_factory=list,
         description="IPs and CIDR blocks of reverse proxies whose X-Forwarded-For and"
@@ -337,16 +299,6 @@ class CloudSettings(EdgeLoopSettings):
 
         parse_networks(value)  # ValueError names the entry that is not an address or block
         return value
-
-    @property
-    def http_server_limits(self) -> ServerLimits:
-        return ServerLimits(
-            header_timeout_s=self.http_header_timeout_s,
-            keep_alive_s=self.http_keep_alive_s,
-            limit_concurrency=self.http_limit_concurrency,
-            backlog=self.http_backlog,
-            max_head_bytes=self.http_max_head_bytes,
-        )
 
     @property
     def resolved_v2_auth(self) -> bool:

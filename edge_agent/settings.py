@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from edge_agent.routing import DEFAULT_ORDER, RoutingPolicy, Strategy
 from shared.errors import InvalidIdError
-from shared.images import DEFAULT_ISOLATE_COST
 from shared.settings import EdgeLoopSettings
 from shared.topics import validate_id
 
@@ -184,23 +183,6 @@ class AgentSettings(EdgeLoopSettings):
     http_decode_threads: int = Field(
         default=2, ge=1, le=64, description="threads decoding uploads beside inference"
     )
-    # Decode budget (shared/decode_pool.py)
-    decode_budget_ms: float = Field(
-        default=1500.0,
-        gt=0,
-        le=600_000,
-        description="time one isolated image (progressive JPEG, costly) may take to decode;"
-        " past it its decoder process is killed and the frame refused with 422",
-    )
-    decode_workers: int = Field(
-        default=2, ge=1, le=64, description="decoder processes for isolated images"
-    )
-    decode_isolate_cost: int = Field(
-        default=DEFAULT_ISOLATE_COST,
-        ge=1,
-        description="pixels times scans above which any image is decoded in a decoder process"
-        " (progressive JPEGs always are)",
-    )
     cameras: list[CameraSource] = Field(default_factory=list)
     folders: list[FolderSource] = Field(default_factory=list)
     results_kept: int = Field(default=10_000, ge=1)
@@ -223,23 +205,10 @@ class AgentSettings(EdgeLoopSettings):
         description="body limit of the local API's routes other than POST /v1/frames,"
         " whose limit is max_image_bytes plus multipart framing",
     )
-    http_header_timeout_s: float = Field(
-        default=10.0,
-        gt=0,
-        le=300,
-        description="a request head must be complete within this of the connection"
-        " or of the previous response, else the connection is closed",
-    )
-    http_keep_alive_s: int = Field(
-        default=5, ge=1, le=300, description="idle keep-alive connections close after this"
-    )
     http_limit_concurrency: int | None = Field(
         default=256, ge=1, description="connections at once; over it, 503; None: no limit"
     )
     http_backlog: int = Field(default=256, ge=1, le=65535, description="the listen backlog")
-    http_max_head_bytes: int = Field(
-        default=16384, ge=1024, le=1 << 20, description="request line and headers together"
-    )
 
     @field_validator("fleet")
     @classmethod

@@ -27,6 +27,8 @@ from pydantic_settings import (
 
 from shared.envelope import EnvelopeLimits
 from shared.errors import ConfigError
+from shared.http_limits import ServerLimits
+from shared.images import DEFAULT_ISOLATE_COST
 from shared.mqtt import MqttTarget
 from shared.topics import Topics
 
@@ -68,6 +70,44 @@ class EdgeLoopSettings(BaseSettings):
     max_header_bytes: int = Field(default=4096, ge=256, le=65535)
     max_image_bytes: int = Field(default=2_000_000, ge=1024)
     max_pixels: int = Field(default=4_000_000, ge=64)
+
+    # Decode budget (shared/decode_pool.py): what an image may cost to decode.
+    decode_budget_ms: float = Field(
+        default=1500.0,
+        gt=0.0,
+        le=600_000.0,
+        description="time one isolated image (progressive JPEG, costly) may take to decode;"
+        " past it its decoder process is killed and the image refused (image_decode_timeout:"
+        " 422 at the agent, a dead letter at the cloud)",
+    )
+    decode_workers: int = Field(
+        default=2, ge=1, le=64, description="decoder processes for isolated images"
+    )
+    decode_isolate_cost: int = Field(
+        default=DEFAULT_ISOLATE_COST,
+        ge=1,
+        description="pixels times scans above which any image is decoded in a decoder process"
+        " (progressive JPEGs always are)",
+    )
+
+    # HTTP server limits (shared/http_limits.py); subclasses add their body limits.
+    http_header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="a request head must be complete within this of the connection"
+        " or of the previous response, else the connection is closed",
+    )
+    http_keep_alive_s: int = Field(
+        default=5, ge=1, le=300, description="idle keep-alive connections close after this"
+    )
+    http_limit_concurrency: int | None = Field(
+        default=1000, ge=1, description="connections at once; over it, 503; None: no limit"
+    )
+    http_backlog: int = Field(default=2048, ge=1, le=65535, description="the listen backlog")
+    http_max_head_bytes: int = Field(
+        default=16384, ge=1024, le=1 << 20, description="request line and headers together"
+    )
 
     @field_validator("data_dir", "mqtt_ca_file", mode="after")
     @classmethod
@@ -148,6 +188,16 @@ class EdgeLoopSettings(BaseSettings):
             username=self.mqtt_username,
             password=password,
             ca_file=str(self.mqtt_ca_file) if self.mqtt_ca_file else None,
+        )
+
+    @property
+    def http_server_limits(self) -> ServerLimits:
+        return ServerLimits(
+            header_timeout_s=self.http_header_timeout_s,
+            keep_alive_s=self.http_keep_alive_s,
+            limit_concurrency=self.http_limit_concurrency,
+            backlog=self.http_backlog,
+            max_head_bytes=self.http_max_head_bytes,
         )
 
     @property

@@ -42,7 +42,6 @@ from shared.http_limits import BodyRule, HttpLimitsMiddleware, ServerLimits, ser
 
 if TYPE_CHECKING:
     from edge_agent.agent import Agent, FrameResult
-    from edge_agent.settings import AgentSettings
 
 __all__ = ["AgentApi", "ApiServer", "create_app"]
 
@@ -481,17 +480,6 @@ async def _file_from_form(request: Request, max_bytes: int) -> bytes | JSONRespo
         await form.close()
 
 
-def server_limits(settings: AgentSettings) -> ServerLimits:
-    """The local API server's connection limits from the agent's settings."""
-    return ServerLimits(
-        header_timeout_s=settings.http_header_timeout_s,
-        keep_alive_s=settings.http_keep_alive_s,
-        limit_concurrency=settings.http_limit_concurrency,
-        backlog=settings.http_backlog,
-        max_head_bytes=settings.http_max_head_bytes,
-    )
-
-
 class ApiServer:
     """uvicorn serving the agent's app in a named thread: ``with ApiServer(app, port=0) as s``."""
 
@@ -510,7 +498,7 @@ class ApiServer:
         self.host = host
         self.port = port or free_port(host)
         if limits is None and isinstance(app, AgentApi) and app.frames is not None:
-            limits = server_limits(app.frames.agent.settings)
+            limits = app.frames.agent.settings.http_server_limits
         config = server_config(
             app,
             host=host,
