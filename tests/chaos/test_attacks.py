@@ -6,24 +6,12 @@ with ``scripts/chaos.py --attacks``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from tests.chaos import attacks
 from tests.chaos.harness import Rig
 
 pytestmark = [pytest.mark.mqtt, pytest.mark.sql, pytest.mark.slow, pytest.mark.chaos]
-
-
-@pytest.fixture
-def rig(tmp_path: Path) -> Iterator[Rig]:
-    made = Rig(tmp_path)
-    try:
-        yield made
-    finally:
-        made.close()
 
 
 def test_jpeg_bombs_are_refused_while_an_agent_streams(rig: Rig) -> None:

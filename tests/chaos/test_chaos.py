@@ -6,9 +6,6 @@ PostgreSQL outage) run with ``scripts/chaos.py``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from tests.chaos.harness import (
@@ -23,15 +20,6 @@ from tests.chaos.harness import (
 )
 
 pytestmark = [pytest.mark.mqtt, pytest.mark.sql, pytest.mark.slow, pytest.mark.chaos]
-
-
-@pytest.fixture
-def rig(tmp_path: Path) -> Iterator[Rig]:
-    made = Rig(tmp_path)
-    try:
-        yield made
-    finally:
-        made.close()
 
 
 def test_broker_restart_mid_stream(rig: Rig) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import httpx
 import pytest
@@ -15,6 +14,7 @@ from edge_agent.agent import Agent
 from edge_agent.settings import AgentSettings
 from edge_agent.sources.http import AgentApi, ApiServer, create_app
 from edge_agent.testing import MemoryPublisher
+from tests.asgi import call_asgi
 
 MAX_IMAGE = 64 << 10
 
@@ -60,43 +60,8 @@ async def _call(
     app: AgentApi, method: str, path: str, headers: dict[str, str], chunks: list[bytes]
 ) -> tuple[int, bytes, int]:
     """Run one request through ``app``; (status, body, body chunks it pulled)."""
-    pulled = 0
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        nonlocal pulled
-        if pulled < len(chunks):
-            pulled += 1
-            return {
-                "type": "http.request",
-                "body": chunks[pulled - 1],
-                "more_body": pulled < len(chunks),
-            }
-        return {"type": "http.disconnect"}
-
-    async def send(message: Any) -> None:
-        sent.append(message)
-
-    raw_path, _, query = path.partition("?")
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": raw_path,
-        "raw_path": raw_path.encode(),
-        "root_path": "",
-        "query_string": query.encode(),
-        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
-        "client": ("127.0.0.1", 40000),
-        "server": ("127.0.0.1", 8081),
-        "state": {},
-    }
-    await app(scope, receive, send)
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return start["status"], body, pulled
+    status, _headers, body, pulled = await call_asgi(app, method, path, headers, chunks)
+    return status, body, pulled
 
 
 def test_a_huge_chunked_multipart_frame_is_cut_off_early(agent: Agent) -> None:
