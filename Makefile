@@ -58,7 +58,10 @@ system-deps:
 demo: install
 	$(VENV)/bin/edgeloop demo $(DEMO_ARGS)
 
+# The layer contracts (.importlinter) first: a broken layer or an import cycle fails
+# in seconds, before the suite runs.
 test: install-dev system-deps
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: install-dev
@@ -74,6 +77,7 @@ gpu-check:
 	bash scripts/gpu-check.sh
 
 lint: install-dev
+	$(VENV)/bin/lint-imports
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy shared edge_agent cloud_service distill kernels simulations

@@ -33,10 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -49,10 +46,10 @@ from typing import Any
 import numpy as np
 import paho.mqtt.client as mqtt
 import psutil
-from sqlalchemy import create_engine, func, select, text
+from sqlalchemy import create_engine, func, select
 from sqlalchemy.engine import make_url
 
-from bench.common import markdown_table, ready
+from bench.common import markdown_table
 from bench.envelope import typical_sample
 from cloud_service.batcher import BatcherConfig, DynamicBatcher
 from cloud_service.db.models import Sample, Verdict
@@ -60,18 +57,17 @@ from cloud_service.demo_teacher import build_demo_teacher
 from cloud_service.settings import CloudSettings
 from cloud_service.verifier import TeacherModel, decode_image
 from cloud_service.worker import VerifierWorker
-from shared.broker import free_port
 from shared.envelope import EnvelopeLimits, decode_envelope, encode_envelope
 from shared.ids import new_sample_id
 from shared.interpreter import SwitchInterval
 from shared.mqtt import MqttTarget, make_client, negotiate_protocol
 from shared.topics import Topics
+from simulations.stack import Stack
 
 SIZE = 64
 BATCH = 32
 # Camera crops of 208 px, JPEG q90: envelopes of ~20 KB, the payload size the goal names.
 PAYLOAD_IMAGE_PX = 208
-POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 BROKER = "mqtt://127.0.0.1:1883"
 # Messages a publisher may run ahead of what has arrived or been verified: half of
 # Mosquitto's default max_queued_messages, so a burst is never cut short by the broker.
@@ -128,26 +124,6 @@ def _interleaved_throughput(passes: dict[str, Any], n_frames: int, rounds: int) 
             once()
             seconds[name].append(time.perf_counter() - start)
     return {name: n_frames / statistics.median(values) for name, values in seconds.items()}
-
-
-def _database() -> tuple[str, Any]:
-    """A fresh PostgreSQL database if one answers, else a SQLite file; and its cleanup."""
-    name = f"edgeloop_bench_{uuid.uuid4().hex[:8]}"
-    try:
-        admin = create_engine(POSTGRES, isolation_level="AUTOCOMMIT")
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    except Exception:  # no PostgreSQL here: SQLite keeps the bench running
-        path = Path(tempfile.mkdtemp()) / "bench.db"
-        return f"sqlite:///{path}", lambda: None
-
-    def drop() -> None:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-    url = make_url(POSTGRES).set(database=name).render_as_string(hide_password=False)
-    return url, drop
 
 
 def _envelopes(n: int, fleet: str, agent: str) -> list[bytes]:
@@ -363,51 +339,6 @@ def _end_to_end(
 WORKERS = 2  # verifier processes in the several-process pipeline run (one per core here)
 
 
-class _VerifierProcesses:
-    """``cloud-service verifier --workers N`` in a subprocess, as deployed on one host,
-    with the settings of the in-process verifier (its own client ids and group)."""
-
-    def __init__(self, settings: CloudSettings, workers: int) -> None:
-        self.workers = workers
-        self.port = free_port()
-        env = {
-            **os.environ,
-            "EDGELOOP_DATA_DIR": str(settings.data_dir),
-            "EDGELOOP_DATABASE_URL": settings.resolved_database_url,
-            "EDGELOOP_MQTT_URL": BROKER,
-            "EDGELOOP_TOPIC_PREFIX": settings.topic_prefix,
-            "EDGELOOP_TEACHER_MODEL": str(settings.teacher_model),
-            "EDGELOOP_VERIFIER_CLIENT_ID": f"bench-workers-{uuid.uuid4().hex[:6]}",
-            "EDGELOOP_VERIFIER_GROUP": f"bench-{uuid.uuid4().hex[:6]}",
-            "EDGELOOP_MQTT_SESSION_EXPIRY_S": "0",
-            "EDGELOOP_MAX_BATCH_SIZE": str(settings.max_batch_size),
-            "EDGELOOP_MAX_QUEUE_DELAY_MS": str(settings.max_queue_delay_ms),
-            "EDGELOOP_REVIEW_AUDIT_SHARE": str(settings.review_audit_share),
-            "EDGELOOP_LOG_LEVEL": "WARNING",
-        }
-        command = [sys.executable, "-m", "cloud_service", "verifier"]
-        command += ["--workers", str(workers), "--port", str(self.port)]
-        self.process = subprocess.Popen(command, env=env)
-
-    def __enter__(self) -> _VerifierProcesses:
-        deadline = time.monotonic() + 120
-        ports = range(self.port, self.port + self.workers)
-        while not all(ready(port) for port in ports):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.process.kill()
-                raise RuntimeError("the verifier workers did not become ready")
-            time.sleep(0.2)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(10)
-
-
 def _processes_end_to_end(topics: Topics, n: int, protocol: Any) -> tuple[float, dict[str, float]]:
     """Publish n samples to verifier processes (as fast as they keep up); seconds until
     every verdict came back over MQTT, and the CPU per sample meanwhile."""
@@ -552,25 +483,30 @@ def run(quick: bool = False) -> dict[str, Any]:
     except Exception as exc:  # no broker: report the in-process figures only
         figures["end_to_end"] = f"skipped: {exc}"
         return {"figures": figures, "tables": tables}
-    url, drop = _database()
     topics = Topics(prefix=f"bench-{uuid.uuid4().hex[:8]}/v1")
-    settings = CloudSettings(
-        data_dir=workdir / "data",
-        database_url=url,
-        mqtt_url=BROKER,
+    stack = Stack(
+        workdir,
+        broker=BROKER,
+        db="postgres",  # a fresh PostgreSQL database; SQLite when none answers
+        verifier="in-process",
+        teacher=model,
         topic_prefix=topics.prefix,
-        teacher_model=model,
-        verifier_client_id=f"bench-verifier-{uuid.uuid4().hex[:6]}",
-        mqtt_session_expiry_s=0,
-        max_batch_size=BATCH,
-        max_queue_delay_ms=2.0,
-        review_audit_share=0.02,
+        cloud={
+            "verifier_client_id": f"bench-verifier-{uuid.uuid4().hex[:6]}",
+            "mqtt_session_expiry_s": 0,
+            "max_batch_size": BATCH,
+            "max_queue_delay_ms": 2.0,
+            "review_audit_share": 0.02,
+        },
+        name="bench",
     )
-    engine = create_engine(url)
     n = 600 if quick else 1500
     repeats = 5
-    try:
-        with VerifierWorker(settings) as worker:
+    with stack:
+        url = stack.database_url
+        engine = create_engine(url)
+        try:
+            worker = stack.worker
             _end_to_end(worker, engine, topics, 100, None, protocol)  # warm-up
             _raw_pubsub(_envelopes(100, "bench", "raw"), protocol)
             e2e_rates: list[float] = []
@@ -592,23 +528,31 @@ def run(quick: bool = False) -> dict[str, Any]:
                 _, lat, _cpu = _end_to_end(worker, engine, topics, n // 4, half, protocol)
                 lat_runs.append(lat)
             latencies = sorted(x for run_ in lat_runs for x in run_)
-        # The same, with the verifier as deployed on a host of several cores: WORKERS
-        # processes on the broker's shared subscription (MQTT v5, PostgreSQL).
-        several: list[float] = []
-        several_raw: list[float] = []
-        several_cpu: list[dict[str, float]] = []
-        if protocol == "5" and not url.startswith("sqlite"):
-            with _VerifierProcesses(settings, WORKERS):
-                _processes_end_to_end(topics, 100, protocol)  # warm-up
-                for _ in range(repeats):
-                    elapsed, used = _processes_end_to_end(topics, n, protocol)
-                    several.append(n / elapsed)
-                    several_cpu.append(used)
-                    raw_rate, _raw_used = _raw_pubsub(_envelopes(n, "bench", "raw"), protocol)
-                    several_raw.append(raw_rate)
-    finally:
-        engine.dispose()
-        drop()
+            stack.worker.stop()
+            # The same, with the verifier as deployed on a host of several cores: WORKERS
+            # processes on the broker's shared subscription (MQTT v5, PostgreSQL), with
+            # their own client ids and group.
+            several: list[float] = []
+            several_raw: list[float] = []
+            several_cpu: list[dict[str, float]] = []
+            if protocol == "5" and not url.startswith("sqlite"):
+                processes = stack.verifier_process(
+                    workers=WORKERS,
+                    ready_timeout_s=120.0,
+                    stop_timeout_s=60.0,
+                    verifier_client_id=f"bench-workers-{uuid.uuid4().hex[:6]}",
+                    verifier_group=f"bench-{uuid.uuid4().hex[:6]}",
+                )
+                with processes:
+                    _processes_end_to_end(topics, 100, protocol)  # warm-up
+                    for _ in range(repeats):
+                        elapsed, used = _processes_end_to_end(topics, n, protocol)
+                        several.append(n / elapsed)
+                        several_cpu.append(used)
+                        raw_rate, _raw_used = _raw_pubsub(_envelopes(n, "bench", "raw"), protocol)
+                        several_raw.append(raw_rate)
+        finally:
+            engine.dispose()
     p50 = float(np.percentile(latencies, 50)) * 1000
     p99 = float(np.percentile(latencies, 99)) * 1000
     db = make_url(url).get_backend_name()

@@ -36,8 +36,8 @@ def _frames(n: int) -> list[bytes]:
     rng = np.random.default_rng(0)
     out = []
     for i in range(n):
-        pixels = rng.integers(0, 255, (120, 160, 3), dtype=np.uint8)
-        pixels = cv2.GaussianBlur(pixels, (5, 5), 2 + i % 3)
+        noise = rng.integers(0, 255, (120, 160, 3), dtype=np.uint8)
+        pixels = cv2.GaussianBlur(noise, (5, 5), 2 + i % 3)
         ok, buf = cv2.imencode(".jpg", pixels)
         assert ok
         out.append(buf.tobytes())
@@ -50,15 +50,10 @@ def _p99(values: list[float]) -> float | None:
 
 def run(quick: bool = False) -> dict[str, Any]:
     from cloud_service import registry
-    from cloud_service.announce import MemoryAnnouncer
-    from cloud_service.api import create_app
-    from cloud_service.db import crud
-    from cloud_service.settings import CloudSettings
-    from edge_agent.agent import Agent
-    from edge_agent.settings import AgentSettings
     from edge_agent.sources.http import ApiServer
     from edge_agent.sources.http import create_app as agent_app
     from edge_agent.testing import MemoryPublisher, make_tiny_student
+    from simulations.stack import Stack
 
     duration = 12.0 if quick else 30.0
     swaps = 3 if quick else 6
@@ -70,50 +65,43 @@ def run(quick: bool = False) -> dict[str, Any]:
         )
         for i in range(swaps + 1)
     ]
-    cloud_settings = CloudSettings(
-        data_dir=work / "cloud",
-        database_url=f"sqlite:///{work / 'cloud.db'}",
-        admin_token="bench-admin-token",
-        blob_fsync=False,
-        rollout_tick_s=0,
+    # The cloud's API alone (no broker: announcements are handed to the agent here),
+    # and one agent enrolled on it, answering frames over its own HTTP API.
+    stack = Stack(
+        work,
+        broker=None,
+        verifier=None,
+        api="in-process",
+        student=models[0],
+        fleet="bench",
+        cloud={"admin_token": "bench-admin-token", "blob_fsync": False, "rollout_tick_s": 0},
+        edge={
+            "intra_op_threads": 1,
+            "max_batch": 8,
+            "max_wait_ms": 2.0,
+            "route_max_prob_below": None,
+            "audit_share": 0.0,
+            "heartbeat_s": 60.0,
+        },
+        name="bench-delivery",
     )
-    cloud = create_app(cloud_settings, announcer=MemoryAnnouncer())
-    state = cloud.state.edgeloop
-    with state.sessions.begin() as session:
-        token, _ = crud.create_enrollment_token(
-            session=session, fleet="bench", agent_id="agent-1", ttl_s=600
-        )
-        _, api_token = crud.enroll_agent(session=session, token=token, agent_id="agent-1")
-        announcements = [
-            registry.register_model(
-                session=session, blobs=state.blobs, key=state.signing_key, artifact=path
-            ).announcement
-            for path in models[1:]
-        ]
     frames = _frames(32)
     latencies: list[tuple[float, float]] = []  # (sent at, seconds)
     errors: list[str] = []
     lock = threading.Lock()
     swap_windows: list[tuple[float, float]] = []
-    with ApiServer(cloud) as cloud_server:
-        settings = AgentSettings(
-            data_dir=work / "agent",
-            model_path=models[0],
-            fleet="bench",
-            agent_id="agent-1",
-            fleet_public_key=state.signing_key.public_key_b64,
-            cloud_url=cloud_server.url,
-            api_token=api_token,
-            intra_op_threads=1,
-            max_batch=8,
-            max_wait_ms=2.0,
-            route_max_prob_below=None,
-            audit_share=0.0,
-            heartbeat_s=60.0,
-        )
+    with stack:
+        state = stack.state
+        with state.sessions.begin() as session:
+            announcements = [
+                registry.register_model(
+                    session=session, blobs=state.blobs, key=state.signing_key, artifact=path
+                ).announcement
+                for path in models[1:]
+            ]
         publisher = MemoryPublisher()
         with (
-            Agent(settings, publisher=publisher, start_sources=False) as agent,
+            stack.agent("agent-1", publisher=publisher, start_sources=False) as agent,
             ApiServer(agent_app(agent)) as agent_server,
         ):
             url = f"{agent_server.url}/v1/frames"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.run import goals_table
-from simulations.closed_loop import table_header, table_rows
+from simulations.loop_table import table_header, table_rows
 
 __all__ = ["DOC", "RESULTS", "Inputs", "load_inputs", "main", "render_performance"]
 

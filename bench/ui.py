@@ -20,13 +20,11 @@ import statistics
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import httpx
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import text
 
 from bench.common import markdown_table
 from cloud_service.api import create_app
@@ -34,24 +32,9 @@ from cloud_service.db import crud
 from cloud_service.settings import CloudSettings
 from cloud_service.ui.seed import seed
 from shared.broker import free_port
+from simulations.databases import fresh_database
 
-POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 PASSWORD = "bench-password-1"
-
-
-def _fresh_database() -> tuple[str, Any]:
-    name = f"edgeloop_bench_ui_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(POSTGRES, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(POSTGRES).set(database=name).render_as_string(hide_password=False)
-
-    def drop() -> None:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-    return url, drop
 
 
 def _timed(fn: Any, repeats: int) -> tuple[float, float]:
@@ -69,9 +52,8 @@ def _timed(fn: Any, repeats: int) -> tuple[float, float]:
 def run(quick: bool = False) -> dict[str, Any]:
     n = 20_000 if quick else 100_000
     repeats = 7 if quick else 15
-    url, drop = _fresh_database()
     work = Path(tempfile.mkdtemp(prefix="edgeloop-bench-ui-"))
-    try:
+    with fresh_database(prefix="edgeloop_bench_ui") as url:
         settings = CloudSettings(
             data_dir=work, database_url=url, blob_fsync=False, rollout_tick_s=0
         )
@@ -103,8 +85,6 @@ def run(quick: bool = False) -> dict[str, Any]:
         figures["samples"] = n
         figures["flagged"] = len(seeded["flagged"])
         figures["seed_s"] = round(seed_s, 1)
-    finally:
-        drop()
     rows = [
         [name, round(figures[f"{key}_ms"], 1), round(figures[f"{key}_p90_ms"], 1), goal]
         for name, key, goal in [

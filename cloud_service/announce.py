@@ -5,6 +5,7 @@ returns once the broker has it (PUBACK), so an agent that is offline now finds t
 announcement when it next subscribes. An empty payload clears a retained message
 (how a per-agent override is withdrawn). ``MqttAnnouncer`` is the real one;
 ``MemoryAnnouncer`` keeps the retained state in a dict for tests.
+The broker's MQTT version is found on the connection itself (v5, else 3.1.1).
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ import threading
 import time
 from typing import Protocol
 
-import paho.mqtt.client as mqtt
-
 from shared.errors import TransportError
-from shared.mqtt import MqttTarget, make_client, negotiate_protocol
+from shared.mqtt import MqttTarget
+from shared.mqtt_connection import MqttConnection
 
 __all__ = ["Announcer", "MemoryAnnouncer", "MqttAnnouncer"]
 
@@ -51,7 +51,7 @@ class MemoryAnnouncer:
 
 
 class MqttAnnouncer:
-    """A paho client connected on first use; ``announce`` waits for the broker's PUBACK."""
+    """An MQTT connection opened on first use; ``announce`` waits for the broker's PUBACK."""
 
     def __init__(
         self, target: MqttTarget, *, client_id: str = "edgeloop-announcer", timeout_s: float = 10.0
@@ -59,49 +59,48 @@ class MqttAnnouncer:
         self.target = target
         self.client_id = client_id
         self.timeout_s = timeout_s
-        self._client: mqtt.Client | None = None
-        self._lock = threading.Lock()  # paho's publish/wait from several request threads
-        self._connected = threading.Event()
+        self._connection: MqttConnection | None = None
+        self._lock = threading.Lock()  # announce() and close() from several request threads
 
-    def _ensure(self) -> mqtt.Client:
-        if self._client is not None and self._connected.is_set():
-            return self._client
-        if self._client is not None:
-            self.close()
+    def _ensure(self) -> MqttConnection:
+        """The connection, opened anew (with a fresh client id) when it is not connected."""
+        if self._connection is not None and self._connection.connected:
+            return self._connection
+        self._close()
+        connection = MqttConnection(
+            self.target,
+            client_id=f"{self.client_id}-{time.monotonic_ns()}",
+            persistent=False,
+            keepalive_s=30,
+            max_outbox=None,
+            keep_while_offline=True,
+            backoff_min_s=1.0,
+            backoff_max_s=5.0,
+            name="announcer-mqtt",
+        ).start()
         try:
-            protocol = negotiate_protocol(self.target, timeout=self.timeout_s)
-            client = make_client(
-                self.target, client_id=f"{self.client_id}-{time.monotonic_ns()}", protocol=protocol
-            )
-            client.on_connect = lambda c, u, f, rc, p=None: self._connected.set()
-            client.on_disconnect = lambda c, *a: self._connected.clear()
-            client.connect(self.target.host, self.target.port, 30)
-        except (OSError, mqtt.WebsocketConnectionError) as exc:
-            raise TransportError(f"cannot reach the broker {self.target!r}: {exc}") from exc
-        client.loop_start()
-        if not self._connected.wait(self.timeout_s):
-            client.loop_stop()
-            raise TransportError(f"broker {self.target!r} did not accept the connection")
-        self._client = client
-        return client
+            connection.wait_ready(self.timeout_s)
+        except TransportError:
+            connection.stop()
+            raise
+        self._connection = connection
+        return connection
 
     def announce(self, topic: str, payload: bytes) -> None:
         with self._lock:
-            client = self._ensure()
-            info = client.publish(topic, payload, qos=1, retain=True)
-            try:
-                info.wait_for_publish(self.timeout_s)
-            except (RuntimeError, ValueError) as exc:
-                raise TransportError(f"announcement on {topic} not published: {exc}") from exc
-            if not info.is_published():
-                raise TransportError(f"broker did not acknowledge the announcement on {topic}")
+            delivery = self._ensure().deliver(topic, payload, qos=1, retain=True)
+            if not delivery.wait(self.timeout_s):
+                why = delivery.error or "no PUBACK in time"
+                raise TransportError(
+                    f"broker did not acknowledge the announcement on {topic}: {why}"
+                )
         log.info("announced %d bytes on %s", len(payload), topic)
 
     def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.disconnect()
-            finally:
-                client.loop_stop()
-        self._connected.clear()
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.stop()

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
 from shared.errors import EdgeLoopError
+from shared.lifecycle import Workers
 
 __all__ = [
     "BatchInfo",
@@ -140,17 +141,13 @@ class DynamicBatcher(Generic[T, R]):
         self._waiting = 0
         self._seq = itertools.count()
         self._closed = False
-        self._threads: list[threading.Thread] = []
+        self._workers = Workers(name)  # threads {name}-0 .. {name}-{instances - 1}
 
     # --- lifecycle -----------------------------------------------------------
 
     def start(self) -> DynamicBatcher[T, R]:
         for index in range(self.config.instances):
-            thread = threading.Thread(
-                target=self._worker, name=f"{self._name}-{index}", daemon=True
-            )
-            thread.start()
-            self._threads.append(thread)
+            self._workers.spawn(str(index), self._worker)
         return self
 
     def close(self, *, drain: bool = True, timeout: float = 10.0) -> None:
@@ -167,15 +164,21 @@ class DynamicBatcher(Generic[T, R]):
                 self._per_shape.clear()
                 self._waiting = 0
             self._lock.notify_all()
-        for thread in self._threads:
-            thread.join(timeout)
-        self._threads.clear()
+        self._workers.stop(timeout)
 
     def __enter__(self) -> DynamicBatcher[T, R]:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def running(self) -> bool:
+        """Whether a worker thread still runs (after ``close``: still draining)."""
+        return any(worker.alive for worker in self._workers.health().values())
+
+    def health(self) -> dict[str, object]:
+        return {"running": self.running, "waiting": self._waiting, "closed": self._closed}
 
     @property
     def depth(self) -> int:

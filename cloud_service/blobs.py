@@ -1,6 +1,6 @@
-"""Blob storage by key: a small interface, a local-folder implementation, and the factory.
+"""Blob storage by key: the local-folder implementation and the factory.
 
-Keys are relative, slash-separated paths such as ``samples/{fleet}/{agent}/{id}.jpg``.
+The interface and key rules live in ``cloud_service.blobs_base`` and are importable here.
 ``open_blob_store(settings)`` builds the store the settings name: the local folder
 by default, an S3-compatible bucket (``cloud_service.blobs_s3``) when ``blob_url``
 is ``s3://bucket[/prefix]``.
@@ -12,11 +12,12 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
-import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
+from cloud_service.blobs_base import BlobStore, check_blob_key, sample_image_key
+from cloud_service.blobs_s3 import S3BlobStore
 from shared.errors import StoreError
 
 if TYPE_CHECKING:
@@ -37,39 +38,6 @@ def _load_syncfs() -> Callable[[int], int] | None:
 
 _syncfs = _load_syncfs()
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-_KEY_RE = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
-
-
-@runtime_checkable
-class BlobStore(Protocol):
-    """Where images and artifacts live. ``put`` returns only once the bytes are durable."""
-
-    def put(self, key: str, data: bytes) -> None: ...
-
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
-        """Store several blobs; durable when it returns (one flush for all where possible)."""
-        ...
-
-    def get(self, key: str) -> bytes: ...
-
-    def exists(self, key: str) -> bool: ...
-
-    def delete(self, key: str) -> None: ...
-
-
-def sample_image_key(fleet: str, agent: str, sample_id: str, image_format: str) -> str:
-    """The key of a sample's image (ids were validated, so they are safe path parts)."""
-    ext = "jpg" if image_format == "jpeg" else image_format
-    # The first 8 hex digits of a UUIDv7 are its time prefix (~18 h buckets), which
-    # keeps any one folder from holding millions of files.
-    return f"samples/{fleet}/{agent}/{sample_id[:8]}/{sample_id}.{ext}"
-
-
-def check_blob_key(key: str) -> str:
-    """``key`` if it is a relative a/b/c.ext path of safe parts; StoreError otherwise."""
-    if not _KEY_RE.fullmatch(key) or any(part in (".", "..") for part in key.split("/")):
-        raise StoreError(f"blob key {key!r} is not valid: use relative a/b/c.ext paths")
-    return key
 
 
 class LocalBlobStore:
@@ -151,7 +119,5 @@ class LocalBlobStore:
 def open_blob_store(settings: CloudSettings) -> BlobStore:
     """The blob store the settings name: ``blob_url`` (s3://...) if set, else the local folder."""
     if settings.blob_url is not None:
-        from cloud_service.blobs_s3 import S3BlobStore
-
         return S3BlobStore.from_settings(settings)
     return LocalBlobStore(settings.resolved_blob_dir, fsync=settings.blob_fsync)

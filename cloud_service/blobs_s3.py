@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from cloud_service.blobs import check_blob_key
+from cloud_service.blobs_base import check_blob_key
 from shared.errors import ConfigError, StoreError
 
 if TYPE_CHECKING:

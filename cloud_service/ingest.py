@@ -12,20 +12,23 @@ id other agents' samples hold).
 
 from __future__ import annotations
 
+import logging
+import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+from sqlalchemy.exc import SQLAlchemyError
 
 from cloud_service.blobs import sample_image_key
 from cloud_service.verifier import decode_image
 from shared.decode_pool import DecodePool
 from shared.envelope import EnvelopeLimits, decode_envelope
-from shared.errors import ContractError, EdgeLoopError
+from shared.errors import ContractError, EdgeLoopError, StoreError
 from shared.images import check_jpeg_scans
 from shared.messages import AgentStatus, ModelStatus, SampleHeader, decode_message
 from shared.topics import TopicRef, Topics
@@ -40,8 +43,15 @@ __all__ = [
     "ReceiptBuffer",
     "SampleTask",
     "classify",
+    "drain",
     "sample_row",
+    "with_retries",
 ]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_RETRY_BACKOFF = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 @dataclass(frozen=True)
@@ -392,3 +402,34 @@ class AgentBreaker:
     def isolated(self, now: float | None = None) -> list[tuple[str, str]]:
         now = time.monotonic() if now is None else now
         return [key for key in list(self._isolated) if self.isolated_until(*key, now=now)]
+
+
+def drain(inbox: queue.Queue[T], limit: int, wait: float) -> list[T]:
+    """Up to ``limit`` items: the first waited for up to ``wait`` s, the rest there already."""
+    try:
+        items = [inbox.get(timeout=wait)]
+    except queue.Empty:
+        return []
+    while len(items) < limit:
+        try:
+            items.append(inbox.get_nowait())
+        except queue.Empty:
+            break
+    return items
+
+
+def with_retries(
+    step: Callable[[], object], *, stopping: threading.Event, on_failure: Callable[[], object]
+) -> bool:
+    """Run ``step`` until it succeeds or ``stopping`` is set; storage outages are waited out."""
+    for attempt in range(10_000):
+        try:
+            step()
+            return True
+        except (StoreError, SQLAlchemyError, OSError) as exc:
+            on_failure()
+            delay = _RETRY_BACKOFF[min(attempt, len(_RETRY_BACKOFF) - 1)]
+            log.warning("storage failed (%s); retrying in %.1f s", exc, delay)
+            if stopping.wait(delay):
+                return False
+    return False

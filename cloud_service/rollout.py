@@ -58,7 +58,7 @@ from shared.manifest import FleetSigningKey
 from shared.topics import Topics, validate_id
 
 if TYPE_CHECKING:
-    from cloud_service.api.state import ApiState
+    from cloud_service.web.state import ApiState
 
 __all__ = [
     "RolloutCriteria",

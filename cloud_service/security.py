@@ -269,8 +269,8 @@ DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.js
 
 def route_auth_kind(route: Any) -> AuthKind | None:
     """The credential a route's dependencies ask for, else None."""
-    from cloud_service.api.deps import require_admin, require_agent_or_admin
     from cloud_service.ui.deps import admin_user, check_csrf, current_user
+    from cloud_service.web.deps import require_admin, require_agent_or_admin
 
     kinds: dict[Any, AuthKind] = {
         require_admin: "admin",

@@ -111,7 +111,7 @@ def run_all(settings: CloudSettings, *, host: str, port: int) -> None:
 
 
 def _distill_process(settings: CloudSettings) -> None:
-    from distill.worker import serve_worker
+    from cloud_service.jobs.worker import serve_worker
 
     configure_logging(settings.log_level)
     logging.getLogger("alembic").setLevel(logging.WARNING)  # the parent migrated already

@@ -37,6 +37,7 @@ from PIL import Image
 from shared.decode_pool import DecodePool
 from shared.errors import ImageError, ImageFormatError, ModelError
 from shared.images import ImageInfo, decode_cost, probe_image
+from shared.tasks import task_for
 
 if TYPE_CHECKING:
     from kernels.graph import TeacherSplit
@@ -318,6 +319,7 @@ class ModelInfo:
     width: int | None
     labels: tuple[str, ...]
     provider: str
+    task: str = "classification"  # ONNX metadata ``edgeloop.task`` (shared.tasks)
 
 
 class TeacherModel:
@@ -460,6 +462,10 @@ class TeacherModel:
                 log.warning("teacher metadata edgeloop.labels is not JSON; using indices")
         if labels is None:
             labels = [str(i) for i in range(classes or 0)]
+        try:
+            task = task_for(meta.get("edgeloop.task")).name
+        except ValueError as exc:
+            raise ModelError(f"teacher {name}: {exc}") from None
         return ModelInfo(
             name=name,
             version=version or meta.get("edgeloop.version", "1"),
@@ -469,6 +475,7 @@ class TeacherModel:
             width=shape[2] if isinstance(shape[2], int) else None,
             labels=tuple(labels),
             provider=self.session.get_providers()[0],
+            task=task,
         )
 
     @property

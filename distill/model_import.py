@@ -45,9 +45,9 @@ from onnx import TensorProto, compose, helper, numpy_helper
 
 from distill._io import atomic_path, atomic_write_bytes
 from distill.export import INPUT_NAME, OUTPUT_NAME, SCORES_KIND, write_metadata
-from edge_agent.updates import max_supported_opset
 from shared.errors import DataError, ModelError
 from shared.manifest import InputSpec, ModelCard, ModelSource
+from shared.onnx_support import max_supported_opset
 from shared.topics import validate_id
 
 __all__ = [

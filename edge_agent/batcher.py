@@ -81,8 +81,9 @@ class _FrameQueue:
     would; each wake-up is a system call made while holding the GIL.
     """
 
-    def __init__(self, max_items: int) -> None:
+    def __init__(self, max_items: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_items = max_items
+        self._clock = clock
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self._items: list[_Item] = []
@@ -110,9 +111,9 @@ class _FrameQueue:
 
     def _wait_for_room(self, block: bool, timeout: float) -> None:
         # Only when inference has fallen far behind: polling is cheap enough here.
-        deadline = time.monotonic() + timeout
+        deadline = self._clock() + timeout
         while len(self._items) >= self.max_items:
-            if not block or time.monotonic() >= deadline:
+            if not block or self._clock() >= deadline:
                 raise queue.Full
             time.sleep(0.001)
 
@@ -126,9 +127,9 @@ class _FrameQueue:
             if not self._items or self._closed:
                 self._wanted = 0
                 return []
-            deadline = time.monotonic() + max_wait_s
+            deadline = self._clock() + max_wait_s
             while len(self._items) < max_batch and not self._closed:
-                remaining = deadline - time.monotonic()
+                remaining = deadline - self._clock()
                 if remaining <= 0:
                     break
                 self._wanted = max_batch
@@ -155,6 +156,7 @@ class MicroBatcher:
 
     ``on_batch`` receives the jobs queued with ``submit_job``, one call per batch,
     on the inference thread: it should hand them over, not do the work itself.
+    ``clock`` (seconds, monotonic) times ``max_wait_s`` and the queue's ``timeout``.
     """
 
     def __init__(
@@ -165,6 +167,7 @@ class MicroBatcher:
         max_wait_s: float = 0.005,
         max_queue: int = 1024,
         on_batch: BatchHandler | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
@@ -174,7 +177,7 @@ class MicroBatcher:
         self.max_wait_s = max_wait_s
         # Bounded: a source that outruns inference is told so (queue.Full) instead of
         # growing memory; cameras keep only their newest frame anyway.
-        self._queue = _FrameQueue(max_queue)
+        self._queue = _FrameQueue(max_queue, clock)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.batches = 0

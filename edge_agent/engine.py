@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from shared.errors import ModelError
+from shared.tasks import task_for
 
 __all__ = ["Engine", "EngineOptions", "OrtEngine", "choose_providers"]
 
@@ -195,6 +196,10 @@ class OrtEngine:
                 classes = int(probe.shape[1])
             labels = [str(i) for i in range(classes)]
         self.labels = labels
+        try:  # a model of a task this agent does not know is refused, not misread
+            self.task = task_for(meta.get("edgeloop.task")).name
+        except ValueError as exc:
+            raise ModelError(f"{self.path}: {exc}") from None
         self.name = meta.get("edgeloop.name") or self.path.stem
         self.version = meta.get("edgeloop.version") or _sha_prefix(self.path)
 

@@ -26,6 +26,8 @@ from typing import Literal
 
 import numpy as np
 
+from shared.tasks import CLASSIFICATION, Task
+
 __all__ = [
     "Budget",
     "Decision",
@@ -96,28 +98,16 @@ class Budget:
 
 def uncertainty(scores: np.ndarray) -> tuple[int, float, float, float]:
     """(predicted, max probability, top-2 margin, entropy in nats) of a probability row."""
-    p = np.asarray(scores, dtype=np.float64)
-    predicted = int(np.argmax(p))
-    top = float(p[predicted])
-    second = float(np.partition(p, -2)[-2]) if p.size > 1 else 0.0
-    clipped = np.clip(p, 1e-12, 1.0)
-    entropy = float(-(p * np.log(clipped)).sum())
-    return predicted, top, top - second, entropy
+    predicted, top, margin, entropy = uncertainties(np.asarray(scores)[None, :])
+    return predicted[0], top[0], margin[0], entropy[0]
 
 
 def uncertainties(
-    scores: np.ndarray,
+    scores: np.ndarray, task: Task = CLASSIFICATION
 ) -> tuple[list[int], list[float], list[float], list[float]]:
-    """``uncertainty`` for each row of a [N, classes] batch, computed for the batch at once."""
-    p = np.asarray(scores, dtype=np.float64)
-    if p.ndim != 2:
-        raise ValueError(f"expected a [N, classes] batch of scores, got shape {p.shape}")
-    predicted = p.argmax(axis=1)
-    ordered = np.sort(p, axis=1)  # a few classes: cheaper than partition, same values
-    top = ordered[:, -1]
-    second = ordered[:, -2] if p.shape[1] > 1 else np.zeros(len(p))
-    entropy = -(p * np.log(np.minimum(np.maximum(p, 1e-12), 1.0))).sum(axis=1)
-    return predicted.tolist(), top.tolist(), (top - second).tolist(), entropy.tolist()
+    """``uncertainty`` for each row of a batch of outputs: the task's routing signals."""
+    s = task.signals(scores)
+    return s.predicted, s.confidence, s.margin, s.entropy
 
 
 def _priority(confidence: float, classes: int) -> int:
@@ -138,8 +128,16 @@ class Router:
         labels: list[str] | None = None,
         clock: Callable[[], float],
         rng: random.Random | None = None,
+        task: Task = CLASSIFICATION,
     ) -> None:
+        unknown = [rule for rule in policy.order if rule not in task.routing_rules]
+        if unknown:
+            raise ValueError(
+                f"routing rules {unknown} do not apply to the {task.name} task"
+                f" (its rules: {', '.join(task.routing_rules)})"
+            )
         self.policy = policy
+        self.task = task
         self.labels = labels or []
         self._clock = clock
         self._rng = rng or random.Random()
@@ -180,7 +178,7 @@ class Router:
         classes = int(np.shape(scores)[1])
         return [
             self._decide(predicted, top, margin, ent, classes)
-            for predicted, top, margin, ent in zip(*uncertainties(scores), strict=True)
+            for predicted, top, margin, ent in zip(*uncertainties(scores, self.task), strict=True)
         ]
 
     def _decide(

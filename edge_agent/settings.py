@@ -131,7 +131,7 @@ class AgentSettings(EdgeLoopSettings):
         description="CPython's thread switch interval while the agent runs; 0: unchanged",
     )
 
-    # Model updates (edge_agent/updates.py).
+    # Model updates (edge_agent/updates/).
     models_keep: int = Field(
         default=3, ge=1, le=50, description="model versions kept on disk, the active one included"
     )

@@ -5,7 +5,7 @@ The model says which axes are dynamic (a ``dim_param`` or a missing ``dim_value`
 the configured batch sizes say how far the batch axis goes. ``profile_shapes`` turns
 both into shapes, ``tensorrt_provider_options`` into ONNX Runtime's TensorRT
 provider options (``trt_profile_min_shapes`` ... in its ``name:AxBxC`` syntax), and
-``distill.cli_engine`` into a native engine's profile.
+``simulations.cli_engine`` into a native engine's profile.
 """
 
 from __future__ import annotations

@@ -4,12 +4,12 @@
                                       [--json]
     .venv/bin/python scripts/chaos.py --attacks [--only NAME ...] [--json]
 
-``--attacks`` plays the attackers of tests/chaos/attacks.py instead (JPEG bombs,
+``--attacks`` plays the attackers of ``simulations.attacks`` instead (JPEG bombs,
 junk on an agent's topic, reused sample ids, oversized unauthenticated bodies, slow
 request heads, NUL and overflow inputs) beside legitimate traffic, and prints per
 attack: hostile inputs tried, refused, accepted, crashes, legitimate data lost.
 
-Scenarios (tests/chaos/harness.py): broker restart mid-stream, verifier SIGKILL
+Scenarios (``simulations.chaos``): broker restart mid-stream, verifier SIGKILL
 (several), API SIGKILL and restart (several) under enroll/poll/infer/label load,
 agent offline for ``--offline-s`` then back, agent spool full (a byte cap standing in
 for a full disk), PostgreSQL stopped for ``--pg-down-s`` while samples flow (a private
@@ -30,9 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.chaos.harness import (
+from simulations import attacks
+from simulations.chaos import (
     Outcome,
-    Rig,
     agent_offline,
     api_restart,
     broker_restart,
@@ -43,14 +43,12 @@ from tests.chaos.harness import (
 
 
 def run_attacks(only: list[str] | None, as_json: bool) -> None:
-    from tests.chaos import attacks
-
     plan = {
-        "scan_bombs": lambda rig: attacks.scan_bombs(rig, bombs=8, frames_n=300),
-        "junk_on_agent_topic": lambda rig: attacks.junk_on_agent_topic(rig, junk=200),
-        "sample_id_collision": lambda rig: attacks.sample_id_collision(rig, n=100),
-        "oversized_bodies": lambda rig: attacks.oversized_bodies(rig, mb=200, parallel=4),
-        "slow_headers": lambda rig: attacks.slow_headers(rig, connections=200),
+        "scan_bombs": lambda folder: attacks.scan_bombs(folder, bombs=8, frames_n=300),
+        "junk_on_agent_topic": lambda folder: attacks.junk_on_agent_topic(folder, junk=200),
+        "sample_id_collision": lambda folder: attacks.sample_id_collision(folder, n=100),
+        "oversized_bodies": lambda folder: attacks.oversized_bodies(folder, mb=200, parallel=4),
+        "slow_headers": lambda folder: attacks.slow_headers(folder, connections=200),
         "nul_inputs": attacks.nul_inputs,
     }
     rows: list[dict[str, object]] = []
@@ -58,12 +56,10 @@ def run_attacks(only: list[str] | None, as_json: bool) -> None:
         if only and name not in only:
             continue
         folder = Path(tempfile.mkdtemp(prefix=f"edgeloop-attack-{name}-"))
-        rig = Rig(folder)
         start = time.monotonic()
         try:
-            row = attack(rig).row()
+            row = attack(folder).row()
         finally:
-            rig.close()
             shutil.rmtree(folder, ignore_errors=True)
         row["seconds"] = round(time.monotonic() - start, 1)
         rows.append(row)
@@ -96,19 +92,19 @@ def main() -> None:
         run_attacks(args.only, args.json)
         return
     plan = {
-        "broker_restart": lambda rig: broker_restart(rig, frames_n=args.frames, down_s=5.0),
-        "verifier_sigkill": lambda rig: verifier_sigkill(
-            rig, frames_n=args.frames, kills=args.kills
+        "broker_restart": lambda folder: broker_restart(folder, frames_n=args.frames, down_s=5.0),
+        "verifier_sigkill": lambda folder: verifier_sigkill(
+            folder, frames_n=args.frames, kills=args.kills
         ),
-        "api_restart": lambda rig: api_restart(
-            rig, frames_n=args.frames // 2, kills=args.kills, down_s=2.0
+        "api_restart": lambda folder: api_restart(
+            folder, frames_n=args.frames // 2, kills=args.kills, down_s=2.0
         ),
-        "agent_offline": lambda rig: agent_offline(
-            rig, frames_n=args.frames // 4, offline_s=args.offline_s
+        "agent_offline": lambda folder: agent_offline(
+            folder, frames_n=args.frames // 4, offline_s=args.offline_s
         ),
-        "spool_full": lambda rig: spool_full(rig, frames_n=args.frames, max_bytes=1 << 17),
-        "postgres_restart": lambda rig: postgres_restart(
-            rig, frames_n=args.frames, down_s=args.pg_down_s, stream_s=args.pg_down_s + 20
+        "spool_full": lambda folder: spool_full(folder, frames_n=args.frames, max_bytes=1 << 17),
+        "postgres_restart": lambda folder: postgres_restart(
+            folder, frames_n=args.frames, down_s=args.pg_down_s, stream_s=args.pg_down_s + 20
         ),
     }
     rows: list[dict[str, object]] = []
@@ -116,12 +112,10 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         folder = Path(tempfile.mkdtemp(prefix=f"edgeloop-chaos-{name}-"))
-        rig = Rig(folder)
         start = time.monotonic()
         try:
-            outcome: Outcome = scenario(rig)
+            outcome: Outcome = scenario(folder)
         finally:
-            rig.close()
             shutil.rmtree(folder, ignore_errors=True)
         row = outcome.row()
         row["seconds"] = round(time.monotonic() - start, 1)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hypothesis import HealthCheck, given, settings
 
-from tests.fuzz import targets as t
+from simulations import fuzz_targets as t
 
 
 def run_target(name: str, cases: int, strategy: Any, check: Any) -> dict[str, Any]:
@@ -113,7 +113,7 @@ def fuzz_inputs(cases: int) -> list[dict[str, Any]]:
 
 def fuzz_openapi(examples: int, database_url: str | None) -> dict[str, Any]:
     from cloud_service.demo_teacher import build_demo_teacher
-    from tests.fuzz.openapi import api_server, fuzz_api
+    from simulations.fuzz_api import api_server, fuzz_api
 
     with tempfile.TemporaryDirectory() as folder:
         teacher = build_demo_teacher(Path(folder) / "teacher.onnx", size=32, classes=10, seed=1)

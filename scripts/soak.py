@@ -36,14 +36,13 @@ import numpy as np
 import psutil
 
 from cloud_service.demo_teacher import build_demo_teacher
-from cloud_service.settings import CloudSettings
-from cloud_service.worker import VerifierWorker
 from shared.broker import MosquittoProcess
 from shared.envelope import encode_envelope
 from shared.messages import Verdict
 from shared.mqtt import MqttTarget, make_client
 from shared.topics import Topics
-from tests.cloud_service.conftest import image_bytes, make_header
+from simulations.samples import image_bytes, sample_header
+from simulations.stack import Stack
 
 
 class SimFleet:
@@ -78,7 +77,7 @@ class SimFleet:
     def publish(self, n: int) -> None:
         i = n % len(self.clients)
         image = self.images[n % len(self.images)]
-        header = make_header(image, fleet="fleet-soak", agent=f"cam-{i}", priority=n % 10)
+        header = sample_header(image, fleet="fleet-soak", agent=f"cam-{i}", priority=n % 10)
         with self.lock:
             self.sent[header.sample_id] = time.monotonic()
         self.clients[i].publish(
@@ -93,23 +92,25 @@ class SimFleet:
 
 def run(minutes: float, rate: float, agents: int, window_s: float = 60.0) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix="edgeloop-soak-"))
-    broker = MosquittoProcess(folder, persistence=False)
-    broker.start()
-    url = broker.url
-    topics = Topics(prefix="edgeloop-soak/v1")
-    settings = CloudSettings(
-        data_dir=folder / "data",
-        mqtt_url=url,
-        topic_prefix=topics.prefix,
-        teacher_model=build_demo_teacher(folder / "teacher.onnx", size=32, classes=10),
-        blob_fsync=False,
-        review_audit_share=0.0,
-        verifier_client_id=f"soak-verifier-{uuid.uuid4().hex[:6]}",
+    stack = Stack(
+        folder,
+        broker=MosquittoProcess(folder, persistence=False),
+        verifier="in-process",
+        teacher=build_demo_teacher(folder / "teacher.onnx", size=32, classes=10),
+        topic_prefix="edgeloop-soak/v1",
+        cloud={
+            "blob_fsync": False,
+            "review_audit_share": 0.0,
+            "verifier_client_id": f"soak-verifier-{uuid.uuid4().hex[:6]}",
+        },
+        name="soak",
     )
     me = psutil.Process()
     windows: list[dict[str, Any]] = []
     try:
-        with VerifierWorker(settings) as worker:
+        with stack:
+            assert stack.broker is not None
+            url, topics, worker = stack.broker.url, stack.topics, stack.worker
             fleet = SimFleet(url, topics, agents)
             start = time.monotonic()
             end = start + minutes * 60
@@ -153,7 +154,6 @@ def run(minutes: float, rate: float, agents: int, window_s: float = 60.0) -> dic
             fleet.close()
             counts = dict(worker.counts)
     finally:
-        broker.stop()
         shutil.rmtree(folder, ignore_errors=True)
     if not windows:
         raise SystemExit("the soak ended before its first window closed: raise --minutes")

@@ -22,9 +22,6 @@ from shared.manifest import (
     ModelManifest,
     canonical_manifest_bytes,
     sha256_file,
-    sign_manifest,
-    verify_announcement,
-    verify_manifest_bytes,
 )
 from shared.messages import (
     AgentStatus,
@@ -38,6 +35,9 @@ from shared.messages import (
     decode_any,
     decode_message,
     encode_message,
+    sign_manifest,
+    verify_announcement,
+    verify_manifest_bytes,
 )
 from shared.mqtt import MqttTarget, make_client, negotiate_protocol
 from shared.settings import EdgeLoopSettings

@@ -13,7 +13,10 @@ and ``verify_manifest_bytes`` requires it, so changing any byte of a received
 announcement makes it fail.
 
 Signatures cover the manifest object as received, not this receiver's parsed view
-of it, so a manifest with fields added by a newer cloud still verifies here.
+of it, so a manifest with fields added by a newer cloud still verifies here. The
+announcement that carries a manifest and its signature is a message:
+``sign_manifest``, ``verify_announcement`` and ``verify_manifest_bytes`` live in
+``shared.messages``, which imports this module (never the other way round).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
@@ -38,9 +41,6 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from shared.errors import ConfigError, EdgeLoopError, SignatureError
 from shared.ids import UtcDatetime
 from shared.topics import validate_id
-
-if TYPE_CHECKING:
-    from shared.messages import ModelAnnouncement
 
 __all__ = [
     "FleetSigningKey",
@@ -54,9 +54,7 @@ __all__ = [
     "canonical_manifest_bytes",
     "key_id_for",
     "sha256_file",
-    "sign_manifest",
-    "verify_announcement",
-    "verify_manifest_bytes",
+    "verify_manifest_signature",
     "version_tuple",
 ]
 
@@ -446,65 +444,41 @@ class FleetSigningKey:
         raise TypeError("FleetSigningKey cannot be pickled; save() it to a file instead")
 
 
-def sign_manifest(manifest: ModelManifest, key: FleetSigningKey) -> ModelAnnouncement:
-    """An announcement of ``manifest`` signed with the fleet key."""
-    # shared.messages imports this module for ModelManifest; import it late.
-    from shared.messages import ModelAnnouncement
-
-    signature = key.sign(canonical_manifest_bytes(manifest))
-    return ModelAnnouncement(
-        manifest=manifest,
-        signature=base64.b64encode(signature).decode("ascii"),
-        key_id=key.key_id,
-    )
-
-
-def verify_announcement(announcement: ModelAnnouncement, public_key_b64: str) -> ModelManifest:
-    """Return the manifest if the announcement's signature is valid, else raise SignatureError.
+def verify_manifest_signature(
+    manifest: ModelManifest,
+    signed: bytes,
+    *,
+    signature: str,
+    key_id: str,
+    public_key_b64: str,
+) -> ModelManifest:
+    """Return ``manifest`` if ``signature`` (base64, made with key ``key_id``) over the
+    ``signed`` bytes verifies against the fleet's public key, else raise SignatureError.
 
     A malformed ``public_key_b64`` is this receiver's configuration, so ConfigError.
     """
     public_raw = _public_key_bytes(public_key_b64)
     trusted_id = _key_id(public_raw)
-    if announcement.key_id != trusted_id:
+    if key_id != trusted_id:
         raise SignatureError(
-            f"announcement is signed with key {announcement.key_id[:32]!r}, but this fleet"
+            f"announcement is signed with key {key_id[:32]!r}, but this fleet"
             f" trusts key {trusted_id!r}"
         )
     try:
-        signature = _strict_b64decode(announcement.signature)
+        raw_signature = _strict_b64decode(signature)
     except ValueError as exc:
         raise SignatureError(f"announcement signature is {exc}") from None
-    if len(signature) != _SIGNATURE_BYTES:
+    if len(raw_signature) != _SIGNATURE_BYTES:
         raise SignatureError(
-            f"announcement signature has {len(signature)} bytes; ed25519 signatures have 64"
+            f"announcement signature has {len(raw_signature)} bytes; ed25519 signatures have 64"
         )
     try:
-        Ed25519PublicKey.from_public_bytes(public_raw).verify(
-            signature, announcement.signed_bytes()
-        )
+        Ed25519PublicKey.from_public_bytes(public_raw).verify(raw_signature, signed)
     except InvalidSignature as exc:
         raise SignatureError(
-            f"signature of model {announcement.manifest.name} {announcement.manifest.version}"
+            f"signature of model {manifest.name} {manifest.version}"
             " does not verify against the fleet key"
         ) from exc
-    return announcement.manifest
-
-
-def verify_manifest_bytes(
-    raw_announcement: bytes, public_key_b64: str, *, max_bytes: int = 65536
-) -> ModelManifest:
-    """Decode an announcement as received and verify it; raises MessageError or SignatureError."""
-    from shared.messages import ModelAnnouncement, decode_message
-
-    raw = bytes(raw_announcement)
-    announcement = decode_message(raw, ModelAnnouncement, max_bytes=max_bytes)
-    manifest = verify_announcement(announcement, public_key_b64)
-    # The signature covers the manifest's parsed content; requiring its canonical
-    # form on the wire also refuses byte changes that parse to the same content
-    # ("1E-05" for "1e-05", a lowercase "z" in a timestamp).
-    if announcement.signed_bytes() not in raw:
-        raise SignatureError("announcement's manifest is not in canonical form")
     return manifest
 
 

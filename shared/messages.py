@@ -33,6 +33,7 @@ Constructing a message in code with bad values raises pydantic's
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
@@ -56,11 +57,18 @@ from shared.errors import (
     EdgeLoopError,
     MessageError,
     MessageValidationError,
+    SignatureError,
     UnknownSchemaError,
     UnsupportedVersionError,
 )
 from shared.ids import UtcDatetime, validate_sample_id
-from shared.manifest import ModelManifest, canonical_json, canonical_manifest_bytes
+from shared.manifest import (
+    FleetSigningKey,
+    ModelManifest,
+    canonical_json,
+    canonical_manifest_bytes,
+    verify_manifest_signature,
+)
 from shared.topics import validate_id
 
 __all__ = [
@@ -79,6 +87,9 @@ __all__ = [
     "decode_any",
     "decode_message",
     "encode_message",
+    "sign_manifest",
+    "verify_announcement",
+    "verify_manifest_bytes",
 ]
 
 DEFAULT_MAX_MESSAGE_BYTES = 65536
@@ -455,3 +466,42 @@ def decode_any(data: MessageData, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES)
         )
     _check_version(obj, cls)
     return _validate(obj, cls)
+
+
+def sign_manifest(manifest: ModelManifest, key: FleetSigningKey) -> ModelAnnouncement:
+    """An announcement of ``manifest`` signed with the fleet key."""
+    signature = key.sign(canonical_manifest_bytes(manifest))
+    return ModelAnnouncement(
+        manifest=manifest,
+        signature=base64.b64encode(signature).decode("ascii"),
+        key_id=key.key_id,
+    )
+
+
+def verify_announcement(announcement: ModelAnnouncement, public_key_b64: str) -> ModelManifest:
+    """Return the manifest if the announcement's signature is valid, else raise SignatureError.
+
+    A malformed ``public_key_b64`` is this receiver's configuration, so ConfigError.
+    """
+    return verify_manifest_signature(
+        announcement.manifest,
+        announcement.signed_bytes(),
+        signature=announcement.signature,
+        key_id=announcement.key_id,
+        public_key_b64=public_key_b64,
+    )
+
+
+def verify_manifest_bytes(
+    raw_announcement: bytes, public_key_b64: str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> ModelManifest:
+    """Decode an announcement as received and verify it; raises MessageError or SignatureError."""
+    raw = bytes(raw_announcement)
+    announcement = decode_message(raw, ModelAnnouncement, max_bytes=max_bytes)
+    manifest = verify_announcement(announcement, public_key_b64)
+    # The signature covers the manifest's parsed content; requiring its canonical
+    # form on the wire also refuses byte changes that parse to the same content
+    # ("1E-05" for "1e-05", a lowercase "z" in a timestamp).
+    if announcement.signed_bytes() not in raw:
+        raise SignatureError("announcement's manifest is not in canonical form")
+    return manifest

@@ -7,15 +7,21 @@
   algorithm and QoS 1 throughput collapses (see docs/architecture.md, "Delivery is
   end to end").
 - ``negotiate_protocol`` asks the broker for MQTT v5 and falls back to 3.1.1 when
-  the broker refuses it (amqtt, older brokers).
+  the broker refuses it (amqtt, older brokers), on a probe connection of its own.
+- ``Subscription``, ``Received``, ``Delivery`` and ``Backoff`` are what a process's
+  long-lived connection, ``shared.mqtt_connection.MqttConnection``, takes and gives:
+  a filter with its handler, one message, the fate of one publish, the wait between
+  reconnects.
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import ssl
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
@@ -25,7 +31,17 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
 from shared.errors import ConfigError, TransportError
 
-__all__ = ["MqttTarget", "ProtocolName", "make_client", "negotiate_protocol"]
+__all__ = [
+    "Backoff",
+    "Delivery",
+    "MqttTarget",
+    "ProtocolName",
+    "Received",
+    "Subscription",
+    "Wakeup",
+    "make_client",
+    "negotiate_protocol",
+]
 
 ProtocolName = Literal["5", "3.1.1"]
 
@@ -80,6 +96,111 @@ class MqttTarget:
         scheme = "mqtts" if self.tls else "mqtt"
         user = f"{self.username}:***@" if self.username else ""
         return f"MqttTarget({scheme}://{user}{self.host}:{self.port})"
+
+
+class Backoff:
+    """Exponential backoff with full jitter: ``uniform(0, min(cap, base * 2**attempt))``."""
+
+    def __init__(self, base: float, cap: float, rng: random.Random | None = None) -> None:
+        self.base = base
+        self.cap = cap
+        self.attempt = 0
+        self._rng = rng or random.Random()
+
+    def next_delay(self) -> float:
+        ceiling = min(self.cap, self.base * (2**self.attempt))
+        self.attempt = min(self.attempt + 1, 30)
+        # Never zero: a broker coming back should not see every client at once.
+        return max(self.base / 2, self._rng.uniform(0, ceiling))
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """One message from the broker, as a subscription's handler gets it."""
+
+    topic: str
+    payload: bytes
+    qos: int
+    mid: int  # the packet id :meth:`MqttConnection.ack` takes on a manual-ack connection
+
+
+Handler = Callable[[Received], None]
+
+
+@dataclass(frozen=True)
+class Subscription:
+    """A topic filter, its QoS and the handler of the messages it brings.
+
+    With ``shared_group`` the filter is subscribed as ``$share/{group}/{filter}`` on
+    MQTT v5 (the broker splits its messages among the group) and plainly on 3.1.1.
+    """
+
+    topic_filter: str
+    handler: Handler
+    qos: int = 1
+    shared_group: str | None = None
+
+    def resolved(self, protocol: ProtocolName) -> str:
+        """The filter as subscribed over ``protocol``."""
+        if self.shared_group is not None and protocol == "5":
+            return f"$share/{self.shared_group}/{self.topic_filter}"
+        return self.topic_filter
+
+
+class Delivery:
+    """What became of one publish handed over with :meth:`MqttConnection.deliver`."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        """True once the broker acknowledged it (QoS 1) or it was written (QoS 0)."""
+        return self._done.wait(timeout) and self.error is None
+
+    def confirm(self) -> None:
+        self._done.set()
+
+    def fail(self, error: str) -> None:
+        if not self._done.is_set():
+            self.error = error
+            self._done.set()
+
+
+class Wakeup:
+    """Wakes a ``select`` on :attr:`reader` from other threads: one byte per wake-up."""
+
+    def __init__(self) -> None:
+        self.reader, self._writer = socket.socketpair()
+        self.reader.setblocking(False)
+        self._writer.setblocking(False)
+        self._sent = False
+
+    def signal(self) -> None:
+        """Make :attr:`reader` readable (one byte until it is cleared; never blocks)."""
+        if not self._sent:
+            self._sent = True
+            with contextlib.suppress(BlockingIOError, OSError):
+                self._writer.send(b"\0")
+
+    def clear(self) -> None:
+        # Read the pipe before clearing the flag: a signal in between then either finds
+        # the flag set and its work seen next, or sends a fresh byte.
+        with contextlib.suppress(BlockingIOError, OSError):
+            while self.reader.recv(4096):
+                pass
+        self._sent = False
+
+    def close(self) -> None:
+        self.reader.close()
+        self._writer.close()
 
 
 def redact_url(url: str) -> str:

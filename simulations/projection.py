@@ -28,9 +28,7 @@ Receipts are batched per agent over 50 ms windows, so at forward rates well unde
 from __future__ import annotations
 
 import math
-import shutil
 import tempfile
-import uuid
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -110,7 +108,19 @@ def measure_row_bytes(database_url: str | None = None, *, rows: int = 5000) -> d
     With no URL: a scratch PostgreSQL database on 127.0.0.1:5432 when one answers
     (dropped afterwards), else a SQLite file.
     """
-    from sqlalchemy import create_engine, text
+    if database_url is not None:
+        return _measure_rows(database_url, rows)
+    from simulations.databases import fresh_database
+
+    with (
+        tempfile.TemporaryDirectory(prefix="edgeloop-rows-", ignore_cleanup_errors=True) as scratch,
+        fresh_database(prefix="edgeloop_rows", fallback=Path(scratch) / "rows.db") as url,
+    ):
+        return _measure_rows(url, rows)
+
+
+def _measure_rows(database_url: str, rows: int) -> dict[str, Any]:
+    from sqlalchemy import text
     from sqlalchemy.engine import make_url
 
     from cloud_service.db import crud
@@ -119,105 +129,80 @@ def measure_row_bytes(database_url: str | None = None, *, rows: int = 5000) -> d
     from shared.ids import new_sample_id
     from shared.messages import SampleHeader
 
-    admin = None
-    name = None
-    scratch: Path | None = None
-    if database_url is None:
-        from simulations.fleet import POSTGRES_ADMIN_URL
+    upgrade_database(database_url)
+    engine = make_engine(database_url)
+    sessions = make_session_factory(engine)
+    sqlite_file = (
+        Path(make_url(database_url).database or "") if engine.dialect.name == "sqlite" else None
+    )
+    size_before = sqlite_file.stat().st_size if sqlite_file else 0
+    now = datetime.now(UTC)
+    import numpy as np
 
-        name = f"edgeloop_rows_{uuid.uuid4().hex[:8]}"
-        try:
-            admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
-            with admin.connect() as conn:
-                conn.execute(text(f'CREATE DATABASE "{name}"'))
-            url = make_url(POSTGRES_ADMIN_URL).set(database=name)
-            database_url = url.render_as_string(hide_password=False)
-        except Exception:  # no PostgreSQL answering: measure on SQLite
-            admin = None
-            scratch = Path(tempfile.mkdtemp(prefix="edgeloop-rows-"))
-            database_url = f"sqlite:///{scratch / 'rows.db'}"
-    try:
-        upgrade_database(database_url)
-        engine = make_engine(database_url)
-        sessions = make_session_factory(engine)
-        sqlite_file = (
-            Path(make_url(database_url).database or "") if engine.dialect.name == "sqlite" else None
-        )
-        size_before = sqlite_file.stat().st_size if sqlite_file else 0
-        now = datetime.now(UTC)
-        import numpy as np
-
-        pixels = np.zeros((1, 1, 3), np.uint8)
-        for start in range(0, rows, 1000):
-            sample_rows, verdict_rows = [], []
-            for k in range(start, min(rows, start + 1000)):
-                header = SampleHeader(
-                    sample_id=new_sample_id(),
-                    fleet="warehouse-eu-1",
-                    agent=f"conveyor-cam-{k % 500:03d}",
-                    captured_at=now,
-                    model_name="edgeloop-student",
-                    model_version="2026.11.29-3",
-                    scores=_EDGE_SCORES,
-                    predicted=0,
-                    confidence=0.61,
-                    route_reason="low_confidence",
-                    priority=6,
-                    image_format="jpeg",
-                    image_width=64,
-                    image_height=64,
-                    image_bytes=2501,
-                )
-                sample_rows.append(sample_row(IngestSample(header, b"", pixels), now))
-                verdict_rows.append(
-                    {
-                        "sample_id": header.sample_id,
-                        "teacher_model": "teacher",
-                        "teacher_version": "2026.11.29-1",
-                        "scores": _TEACHER_SCORES,
-                        "label": 0,
-                        "confidence": 0.9123,
-                        "agrees_with_edge": True,
-                        "review": False,
-                        "review_reasons": [],
-                        "verified_at": now + timedelta(milliseconds=30),
-                        "latency_s": 0.03,
-                    }
-                )
-            with sessions.begin() as session:
-                crud.insert_samples(session=session, rows=sample_rows)
-            with sessions.begin() as session:
-                crud.insert_verdicts(session=session, rows=verdict_rows)
-        with engine.connect() as conn:
-            if engine.dialect.name == "postgresql":
-                conn.execute(text("ANALYZE samples"))
-                s_bytes = int(conn.scalar(text("SELECT pg_total_relation_size('samples')")) or 0)
-                v_bytes = int(conn.scalar(text("SELECT pg_total_relation_size('verdicts')")) or 0)
-                how = "pg_total_relation_size (table + indexes + TOAST) / rows"
-            else:
-                s_bytes = v_bytes = 0
-                how = "SQLite file growth / rows (samples and verdicts together)"
-        engine.dispose()
-        if sqlite_file is not None:
-            total = sqlite_file.stat().st_size - size_before
-            wal = sqlite_file.with_name(sqlite_file.name + "-wal")
-            total += wal.stat().st_size if wal.exists() else 0
-            # One file: the sample figure carries both rows (and their indexes).
-            s_bytes, v_bytes = total, 0
-        return {
-            "database": engine.dialect.name,
-            "rows": rows,
-            "sample_row_bytes": round(s_bytes / rows, 1),
-            "verdict_row_bytes": round(v_bytes / rows, 1),
-            "method": how,
-        }
-    finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
-        if admin is not None and name is not None:
-            with admin.connect() as conn:
-                conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-            admin.dispose()
+    pixels = np.zeros((1, 1, 3), np.uint8)
+    for start in range(0, rows, 1000):
+        sample_rows, verdict_rows = [], []
+        for k in range(start, min(rows, start + 1000)):
+            header = SampleHeader(
+                sample_id=new_sample_id(),
+                fleet="warehouse-eu-1",
+                agent=f"conveyor-cam-{k % 500:03d}",
+                captured_at=now,
+                model_name="edgeloop-student",
+                model_version="2026.11.29-3",
+                scores=_EDGE_SCORES,
+                predicted=0,
+                confidence=0.61,
+                route_reason="low_confidence",
+                priority=6,
+                image_format="jpeg",
+                image_width=64,
+                image_height=64,
+                image_bytes=2501,
+            )
+            sample_rows.append(sample_row(IngestSample(header, b"", pixels), now))
+            verdict_rows.append(
+                {
+                    "sample_id": header.sample_id,
+                    "teacher_model": "teacher",
+                    "teacher_version": "2026.11.29-1",
+                    "scores": _TEACHER_SCORES,
+                    "label": 0,
+                    "confidence": 0.9123,
+                    "agrees_with_edge": True,
+                    "review": False,
+                    "review_reasons": [],
+                    "verified_at": now + timedelta(milliseconds=30),
+                    "latency_s": 0.03,
+                }
+            )
+        with sessions.begin() as session:
+            crud.insert_samples(session=session, rows=sample_rows)
+        with sessions.begin() as session:
+            crud.insert_verdicts(session=session, rows=verdict_rows)
+    with engine.connect() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("ANALYZE samples"))
+            s_bytes = int(conn.scalar(text("SELECT pg_total_relation_size('samples')")) or 0)
+            v_bytes = int(conn.scalar(text("SELECT pg_total_relation_size('verdicts')")) or 0)
+            how = "pg_total_relation_size (table + indexes + TOAST) / rows"
+        else:
+            s_bytes = v_bytes = 0
+            how = "SQLite file growth / rows (samples and verdicts together)"
+    engine.dispose()
+    if sqlite_file is not None:
+        total = sqlite_file.stat().st_size - size_before
+        wal = sqlite_file.with_name(sqlite_file.name + "-wal")
+        total += wal.stat().st_size if wal.exists() else 0
+        # One file: the sample figure carries both rows (and their indexes).
+        s_bytes, v_bytes = total, 0
+    return {
+        "database": engine.dialect.name,
+        "rows": rows,
+        "sample_row_bytes": round(s_bytes / rows, 1),
+        "verdict_row_bytes": round(v_bytes / rows, 1),
+        "method": how,
+    }
 
 
 def status_bytes() -> int:

@@ -21,6 +21,8 @@ from typing import Any
 from jinja2 import Environment
 from markupsafe import Markup
 
+from simulations.loop_table import table_header, table_rows
+
 __all__ = ["render_report", "write_report"]
 
 _W, _H = 760, 240
@@ -316,8 +318,6 @@ evaluation frame is ever verified.</p>
 
 def render_report(report: dict[str, Any]) -> str:
     """The report's HTML text."""
-    from simulations.closed_loop import table_header, table_rows
-
     env = Environment(autoescape=True)
     columns = report.get("goal_columns", {})
     goals = [

@@ -111,6 +111,14 @@ def quick_models(model_cache: Path) -> Any:
     return bootstrap_reference_models(model_cache, quick=True)
 
 
+@pytest.fixture(scope="session")
+def quick_scenario() -> Any:
+    """The quick reference scenario (``distill.scenario.ScenarioConfig``) of ``quick_models``."""
+    from distill.cache import ReferenceConfig
+
+    return ReferenceConfig.reference(quick=True).scenario
+
+
 # --- databases ---------------------------------------------------------------
 
 

@@ -18,11 +18,11 @@ from typer.testing import CliRunner
 
 from cloud_service.batcher import BatcherConfig, DynamicBatcher
 from cloud_service.verifier import TeacherModel
-from distill.cli import app
 from edge_agent.agent import Agent
 from edge_agent.engine import EngineOptions, OrtEngine
 from edge_agent.settings import AgentSettings
 from edge_agent.testing import MemoryPublisher
+from simulations.cli import app
 
 MEAN = np.array([0.485, 0.456, 0.406], np.float32)
 STD = np.array([0.229, 0.224, 0.225], np.float32)

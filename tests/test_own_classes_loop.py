@@ -35,13 +35,12 @@ from cloud_service.announce import MqttAnnouncer
 from cloud_service.api import create_app
 from cloud_service.db import crud
 from cloud_service.db.models import Sample
+from cloud_service.jobs import queue as jobs
+from cloud_service.jobs.runner import PipelineServices, make_runner
+from cloud_service.jobs.worker import DistillWorker
 from cloud_service.settings import DEV_ADMIN_TOKEN, CloudSettings
 from cloud_service.ui.store import class_names_for
 from cloud_service.worker import VerifierWorker
-from distill import jobs
-from distill.cli_models import models_app
-from distill.pipeline import PipelineServices, make_runner
-from distill.worker import DistillWorker
 from edge_agent.agent import Agent
 from edge_agent.engine import Engine
 from edge_agent.settings import AgentSettings
@@ -49,6 +48,7 @@ from edge_agent.sources.http import ApiServer
 from shared.errors import MessageError
 from shared.messages import Verdict, decode_message
 from shared.topics import Topics
+from simulations.cli_models import models_app
 from tests.conftest import BrokerInfo
 
 pytestmark = [pytest.mark.mqtt, pytest.mark.sql, pytest.mark.slow, pytest.mark.timeout(600)]

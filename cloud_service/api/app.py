@@ -16,12 +16,12 @@ from cloud_service.announce import Announcer
 from cloud_service.api.routes import enrollment, fleet, health, models, v2
 from cloud_service.api.routes import exports as exports_routes
 from cloud_service.api.routes import jobs as jobs_routes
-from cloud_service.api.state import ApiState, load_signing_key
 from cloud_service.blobs import BlobStore, open_blob_store
 from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
 from cloud_service.errors import AuthError, ConflictError, ForbiddenError, NotFoundError
 from cloud_service.metrics import CloudMetrics
 from cloud_service.settings import CloudSettings
+from cloud_service.web.state import ApiState, load_signing_key
 from shared.errors import ContractError, EdgeLoopError, ModelError, StoreError
 from shared.http_limits import BodyRule, HttpLimitsMiddleware, TrustedProxyMiddleware
 
@@ -115,7 +115,7 @@ def create_app(
             ).start()
         scheduler = None
         if not health_only and settings.rollout_tick_s > 0:
-            from distill.schedules import SchedulerLoop
+            from cloud_service.jobs.schedules import SchedulerLoop
 
             scheduler = SchedulerLoop(state.sessions, jobs_routes.SCHEDULER_TICK_S).start()
         yield
@@ -149,8 +149,8 @@ def create_app(
 
         mount_ui(app)
 
-    from cloud_service.api.deps import bearer_principal
     from cloud_service.security import RateLimitMiddleware, SecurityHeadersMiddleware
+    from cloud_service.web.deps import bearer_principal
 
     def authenticate(token: str) -> str | None:
         try:
@@ -202,10 +202,10 @@ def _refusal_body(
 
 def _add_http_limits(app: FastAPI, state: ApiState) -> None:
     """Body limits per route and credentials before bodies (shared/http_limits.py)."""
-    from cloud_service.api.deps import bearer_principal
     from cloud_service.api.routes.v2 import MAX_BODY_BYTES
     from cloud_service.security import CredentialGate
     from cloud_service.ui.auth import SessionSigner
+    from cloud_service.web.deps import bearer_principal
 
     settings = state.settings
     signer = SessionSigner(settings.session_secret.get_secret_value())

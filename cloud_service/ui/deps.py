@@ -12,10 +12,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from cloud_service.api.deps import StateDep
 from cloud_service.db import crud
 from cloud_service.db.models import User
 from cloud_service.ui.auth import SESSION_COOKIE, SessionSigner
+from cloud_service.web.deps import StateDep
 
 __all__ = [
     "AdminUserDep",

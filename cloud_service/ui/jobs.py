@@ -1,9 +1,10 @@
 """The review UI's distillation pages: jobs (run now, watch, cancel) and schedules
 (create, enable, disable, delete), admin only, under /ui.
 
-Thin routes over ``distill.jobs`` and ``distill.schedules``. A job's page shows its
-metrics as tables (``metric_tables``) and its log as the worker wrote it: one reason
-line per failure, never a traceback (that goes to the worker's own log).
+Thin routes over ``cloud_service.jobs.queue`` and ``cloud_service.jobs.schedules``. A
+job's page shows its metrics as tables (``metric_tables``) and its log as the worker
+wrote it: one reason line per failure, never a traceback (that goes to the worker's own
+log).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from sqlalchemy.orm import Session
 
-from cloud_service.api.deps import SessionDep
+from cloud_service.jobs import queue as jobs
+from cloud_service.jobs import schedules
+from cloud_service.jobs.tables import DistillJob, JobLog
 from cloud_service.ui.deps import AdminUserDep, CsrfDep, UiUser
-from distill import jobs, schedules
+from cloud_service.web.deps import SessionDep
 from shared.errors import ContractError, EdgeLoopError
 
 __all__ = ["job_view", "metric_tables", "router"]
@@ -125,7 +128,7 @@ def metric_tables(metrics: dict[str, Any]) -> list[dict[str, Any]]:
     return tables
 
 
-def job_view(job: Any, logs: list[Any], *, waiting: str | None = None) -> dict[str, Any]:
+def job_view(job: DistillJob, logs: list[JobLog], *, waiting: str | None = None) -> dict[str, Any]:
     """A job and its new log lines as the job page's script draws them."""
     return {
         "id": job.id,

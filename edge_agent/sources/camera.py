@@ -26,18 +26,17 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import cv2
 import numpy as np
 
 from edge_agent.batcher import WorkerPool
+from edge_agent.intake import FrameResult, FrameSink
 from edge_agent.settings import CameraSource
 from edge_agent.uplink import Backoff
 from shared.errors import EdgeLoopError
-
-if TYPE_CHECKING:
-    from edge_agent.agent import Agent, FrameResult
+from shared.lifecycle import Workers
 
 __all__ = ["CameraReader", "open_capture", "read_frame"]
 
@@ -69,7 +68,7 @@ class CameraReader:
     def __init__(
         self,
         config: CameraSource,
-        agent: Agent,
+        agent: FrameSink,
         *,
         max_inflight: int | None = None,
         opener: Callable[[str], Any] = open_capture,
@@ -85,8 +84,8 @@ class CameraReader:
         self._room = threading.Condition(self._lock)
         self._inflight = 0
         self._waiting: np.ndarray | None = None
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._workers = Workers("camera")
+        self._stopping = self._workers.stopping
         self._prepare: WorkerPool | None = None
         self.state = "starting"
         self.frames = 0
@@ -98,19 +97,21 @@ class CameraReader:
 
     def start(self) -> CameraReader:
         self._prepare = WorkerPool(1, name=f"camera-{self.name}-prepare")
-        self._thread = threading.Thread(target=self._run, name=f"camera-{self.name}", daemon=True)
-        self._thread.start()
+        self._workers.spawn(self.name, self._run)
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping.set()
         with self._room:
             self._room.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._workers.stop(timeout)
         if self._prepare is not None:
             self._prepare.shutdown(wait=True, timeout=timeout)
         self.state = "stopped"
+
+    def health(self) -> dict[str, object]:
+        """The reader thread's state."""
+        return dict(self._workers.health())
 
     def status(self) -> dict[str, Any]:
         return {

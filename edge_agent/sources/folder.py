@@ -11,16 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from edge_agent.intake import FrameSink
 from edge_agent.settings import FolderSource
 from shared.errors import EdgeLoopError
-
-if TYPE_CHECKING:
-    from edge_agent.agent import Agent
+from shared.lifecycle import Workers
 
 __all__ = ["FolderWatcher"]
 
@@ -31,7 +29,7 @@ _SUFFIXES = {".jpg", ".jpeg", ".png"}
 class FolderWatcher:
     """Polls one folder in its own thread."""
 
-    def __init__(self, config: FolderSource, agent: Agent) -> None:
+    def __init__(self, config: FolderSource, agent: FrameSink) -> None:
         self.config = config
         self.agent = agent
         self.name = config.name
@@ -39,23 +37,24 @@ class FolderWatcher:
         self.done_dir = config.done_dir or self.path / "done"
         self.failed_dir = self.path / "failed"
         self._sizes: dict[Path, int] = {}
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._workers = Workers("folder")
+        self._stopping = self._workers.stopping
         self.state = "starting"
         self.answered = 0
         self.refused = 0
         self.last_error: str | None = None
 
     def start(self) -> FolderWatcher:
-        self._thread = threading.Thread(target=self._run, name=f"folder-{self.name}", daemon=True)
-        self._thread.start()
+        self._workers.spawn(self.name, self._run)
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._workers.stop(timeout)
         self.state = "stopped"
+
+    def health(self) -> dict[str, object]:
+        """The polling thread's state."""
+        return dict(self._workers.health())
 
     def status(self) -> dict[str, Any]:
         return {

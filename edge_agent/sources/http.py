@@ -39,9 +39,11 @@ from edge_agent.localauth import bearer_refusal
 from edge_agent.sources import RateLimiter
 from shared.errors import EdgeLoopError, TransportError
 from shared.http_limits import BodyRule, HttpLimitsMiddleware, ServerLimits, server_config
+from shared.lifecycle import Workers
 
 if TYPE_CHECKING:
-    from edge_agent.agent import Agent, FrameResult
+    from edge_agent.agent import Agent
+    from edge_agent.intake import FrameResult
 
 __all__ = ["AgentApi", "ApiServer", "create_app"]
 
@@ -513,29 +515,31 @@ class ApiServer:
             date_header=False,
         )
         self.server = uvicorn.Server(config)
-        self._thread: threading.Thread | None = None
+        self._workers = Workers("http")
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> ApiServer:
-        self._thread = threading.Thread(target=self.server.run, name="http-api", daemon=True)
-        self._thread.start()
+        thread = self._workers.spawn("api", self.server.run)
         deadline = time.monotonic() + timeout
         while not self.server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
+            if time.monotonic() > deadline or not thread.is_alive():
                 raise TransportError(f"HTTP API did not start on {self.host}:{self.port}")
             time.sleep(0.02)
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
         self.server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._workers.stop(timeout)
         app = self.server.config.app
         if isinstance(app, AgentApi) and app.frames is not None:
             app.frames.close()
+
+    def health(self) -> dict[str, object]:
+        """The server thread's state."""
+        return dict(self._workers.health())
 
     def __enter__(self) -> ApiServer:
         return self.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -24,6 +25,7 @@ from shared.topics import Topics
 
 CLASSES = 10
 SIZE = 32
+SAFETY_NET_S = 30.0  # how long a wait on the broker may take before the test gives up
 
 
 @pytest.fixture(scope="session")
@@ -118,18 +120,29 @@ class Collector:
 
         target = MqttTarget.parse(url)
         self.messages: list[tuple[str, bytes]] = []
+        self._subacked: set[int] = set()
+        self._subscribed = threading.Condition()
         self.client = make_client(
             target,
             client_id=f"collector-{time.monotonic_ns()}",
             protocol=protocol,  # type: ignore[arg-type]
         )
         self.client.on_message = self._on_message
+        self.client.on_subscribe = self._on_subscribe
         self.client.connect(target.host, target.port)
         self.client.loop_start()
+        mids: set[int] = set()
         for topic in filters:
-            info = self.client.subscribe(topic, qos=1)
-            assert info[0] == mqtt.MQTT_ERR_SUCCESS
-        time.sleep(0.2)
+            result, mid = self.client.subscribe(topic, qos=1)
+            assert result == mqtt.MQTT_ERR_SUCCESS
+            mids.add(mid)
+        with self._subscribed:  # the broker has acknowledged every subscription
+            assert self._subscribed.wait_for(lambda: mids <= self._subacked, SAFETY_NET_S)
+
+    def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, *args: Any) -> None:
+        with self._subscribed:
+            self._subacked.add(mid)
+            self._subscribed.notify_all()
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
         self.messages.append((message.topic, bytes(message.payload)))

@@ -16,7 +16,8 @@ from cloud_service.blobs import LocalBlobStore
 from cloud_service.db.models import FleetModel
 from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
 from edge_agent.testing import make_tiny_student
-from shared.manifest import FleetSigningKey, verify_manifest_bytes
+from shared.manifest import FleetSigningKey
+from shared.messages import verify_manifest_bytes
 from shared.topics import Topics
 
 

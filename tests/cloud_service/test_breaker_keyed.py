@@ -31,7 +31,7 @@ def test_junk_on_an_agents_topic_does_not_stop_its_samples(
     fleet, agent = "fleet-a", "cam-1"
     topic = topics.samples(fleet, agent)
     collector = collector_factory(broker.url, [topics.receipts(fleet, agent)], broker.protocol)
-    caplog.set_level(logging.INFO, logger="cloud_service.worker")
+    caplog.set_level(logging.INFO, logger="cloud_service.verifier_recovery")
     # The breaker's defaults (20 messages, half refused, 300 s), as deployed.
     with running_worker(
         make_settings, broker, topics, database_url, breaker_log_every_s=3600

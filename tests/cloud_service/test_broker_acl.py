@@ -15,7 +15,7 @@ import subprocess
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +78,9 @@ class SecureBroker:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 10
-        while not (self.folder / "mosquitto.pid").exists() or not _answers(self.tls_port):
+        deadline = time.monotonic() + 30  # a safety net
+        ports = (self.tls_port, self.service_port, self.plain_port)
+        while not (self.folder / "mosquitto.pid").exists() or not all(map(_answers, ports)):
             if time.monotonic() > deadline or self.process.poll() is not None:
                 log = (self.folder / "mosquitto.log").read_text(errors="replace")
                 raise RuntimeError(f"mosquitto did not start: {log[-2000:]}")
@@ -121,7 +122,7 @@ class Client:
         password: str | None,
         *,
         ca_file: Path | None = None,
-        timeout: float = 5.0,
+        timeout: float = 30.0,
         client_id: str | None = None,
         session_expiry_s: int = 0,
     ) -> None:
@@ -196,8 +197,25 @@ class Client:
         self.client.loop_stop()
 
 
-def _wait(predicate: Any, timeout: float = 3.0) -> bool:
+def _wait(predicate: Any, timeout: float = 30.0) -> bool:
+    """Poll ``predicate``; ``timeout`` is a safety net, not a bound the test checks."""
     return wait_until(predicate, timeout, step=0.02)
+
+
+def _once_reloaded(make: Callable[[], Client]) -> Client:
+    """The first of ``make()``'s clients that the broker lets in.
+
+    ``add_agent`` signals Mosquitto (SIGHUP), which reloads its password and ACL files
+    in its own time: until then new credentials are refused, so try again.
+    """
+    pause = threading.Event()
+    for _ in range(300):  # a safety net of about 30 s
+        client = make()
+        if client.connected.is_set():
+            return client
+        client.close()
+        pause.wait(0.1)
+    raise AssertionError("the broker never accepted the new credentials")
 
 
 def test_password_hash_matches_mosquitto_passwd(tmp_path: Path) -> None:
@@ -248,12 +266,11 @@ def test_agent_confined_to_its_own_topics(secure_broker: SecureBroker) -> None:
     user_a, pw_a = add_agent(files, "fleet-a", "cam-a", TOPICS)
     user_b, pw_b = add_agent(files, "fleet-a", "cam-b", TOPICS)
     user_c, pw_c = add_agent(files, "fleet-z", "cam-c", TOPICS)
-    time.sleep(0.3)  # SIGHUP reload (add_agent signalled the pid in mosquitto.pid)
     port, ca = secure_broker.tls_port, secure_broker.ca_file
     verifier = Client(secure_broker.plain_port, "edgeloop-verifier", "verifier-pw")
-    a = Client(port, user_a, pw_a, ca_file=ca)
-    b = Client(port, user_b, pw_b, ca_file=ca)
-    c = Client(port, user_c, pw_c, ca_file=ca)
+    a = _once_reloaded(lambda: Client(port, user_a, pw_a, ca_file=ca))
+    b = _once_reloaded(lambda: Client(port, user_b, pw_b, ca_file=ca))
+    c = _once_reloaded(lambda: Client(port, user_c, pw_c, ca_file=ca))
     clients = [verifier, a, b, c]
     try:
         assert all(x.connected.is_set() for x in clients), "enrolled agents must connect"
@@ -266,8 +283,9 @@ def test_agent_confined_to_its_own_topics(secure_broker: SecureBroker) -> None:
         a.publish(TOPICS.status("fleet-a", "cam-b"), b"forged-status")
         a.publish(TOPICS.verdicts("fleet-a", "cam-b"), b"forged-verdict")
         a.publish(TOPICS.samples("fleet-a", "cam-a"), b"own")
+        # A's messages reach the broker, and from it the verifier, in the order A sent
+        # them: a forged one let through would have arrived before "own".
         assert _wait(lambda: (TOPICS.samples("fleet-a", "cam-a"), b"own") in verifier.received)
-        time.sleep(0.3)
         payloads = [p for _, p in verifier.received]
         assert payloads == [b"own"], payloads
 
@@ -281,15 +299,21 @@ def test_agent_confined_to_its_own_topics(secure_broker: SecureBroker) -> None:
         verifier.publish(TOPICS.verdicts("fleet-a", "cam-b"), b"verdict-for-b")
         verifier.publish(TOPICS.verdicts("fleet-a", "cam-a"), b"verdict-for-a")
         verifier.publish(TOPICS.fleet_models("fleet-a"), b"announcement")
+        c_own = TOPICS.verdicts("fleet-z", "cam-c")
+        c.subscribe(c_own)
+        verifier.publish(c_own, b"verdict-for-c")  # after everything C must not get
         assert _wait(lambda: (TOPICS.verdicts("fleet-a", "cam-b"), b"verdict-for-b") in b.received)
+        # The verifier's messages reach each subscriber in the order they were sent:
+        # once A has the announcement (sent last to A) and C its own verdict, anything
+        # let through to them would have arrived already.
         assert _wait(lambda: (TOPICS.fleet_models("fleet-a"), b"announcement") in a.received)
-        time.sleep(0.3)
+        assert _wait(lambda: (c_own, b"verdict-for-c") in c.received)
         # Mosquitto grants the wildcard subscription but checks read rights per
         # message; overlapping subscriptions may deliver A's own verdict twice.
         a_payloads = {p for _, p in a.received}
         assert a_payloads == {b"announcement", b"verdict-for-a"}, a_payloads
         assert b"verdict-for-b" not in a_payloads
-        assert c.received == []
+        assert c.received == [(c_own, b"verdict-for-c")]
     finally:
         for x in clients:
             x.close()
@@ -316,12 +340,13 @@ def test_enrollment_issues_broker_credentials_that_work(
         answer = api.post("/v1/enroll", json={"token": token}).json()
     assert answer["mqtt_username"] == "fleet-a.cam-9"
     assert answer["mqtt_password"] and answer["mqtt_password"] != "api-pw"
-    time.sleep(0.3)  # SIGHUP reload
-    agent = Client(
-        secure_broker.tls_port,
-        answer["mqtt_username"],
-        answer["mqtt_password"],
-        ca_file=secure_broker.ca_file,
+    agent = _once_reloaded(
+        lambda: Client(
+            secure_broker.tls_port,
+            answer["mqtt_username"],
+            answer["mqtt_password"],
+            ca_file=secure_broker.ca_file,
+        )
     )
     try:
         assert agent.connected.is_set()
@@ -339,8 +364,9 @@ def test_the_agents_link_publishes_and_receives_over_tls(secure_broker: SecureBr
     from shared.mqtt import MqttTarget
 
     user, password = add_agent(secure_broker.files, "fleet-a", "cam-t", TOPICS)
-    time.sleep(0.3)  # SIGHUP reload
     ca = secure_broker.folder / "ca.crt"
+    # The broker has reloaded its files once it lets this user in (then it leaves).
+    _once_reloaded(lambda: Client(secure_broker.tls_port, user, password, ca_file=ca)).close()
     verifier = Client(secure_broker.service_port, "edgeloop-verifier", "verifier-pw", ca_file=ca)
     target = MqttTarget.parse(
         f"mqtts://127.0.0.1:{secure_broker.tls_port}",
@@ -358,15 +384,16 @@ def test_the_agents_link_publishes_and_receives_over_tls(secure_broker: SecureBr
     try:
         assert verifier.connected.is_set()
         verifier.subscribe("$share/verifiers/edgeloop/v1/+/+/samples")
-        assert _wait(lambda: link.connected, 10)
-        time.sleep(0.3)  # the link's own subscription
+        assert _wait(lambda: link.connected)
         sample = bytes(range(256)) * 240  # 60 KB: several TLS records
         link.publish(TOPICS.samples("fleet-a", "cam-t"), sample)
+        # The link subscribes before it counts as connected, so the broker had its
+        # subscription before this sample: the verdicts below find it in place.
         assert _wait(lambda: (TOPICS.samples("fleet-a", "cam-t"), sample) in verifier.received)
         verdicts = [b"verdict-%d" % i for i in range(20)]
         for verdict in verdicts:
             verifier.client.publish(TOPICS.verdicts("fleet-a", "cam-t"), verdict, qos=1)
-        assert _wait(lambda: len(received) == len(verdicts), 10)
+        assert _wait(lambda: len(received) == len(verdicts))
         assert [payload for _, payload in received] == verdicts
     finally:
         link.stop()

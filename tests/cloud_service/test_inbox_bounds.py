@@ -17,6 +17,7 @@ from sqlalchemy import select
 from cloud_service.db.models import Sample
 from cloud_service.ingest import InboxBudget
 from cloud_service.settings import CloudSettings
+from cloud_service.verifier_transport import VerifierTransport
 from cloud_service.worker import VerifierWorker
 from shared.messages import Receipt
 from shared.topics import Topics
@@ -64,15 +65,15 @@ def _instrument(worker: VerifierWorker, held: _Held, gate: threading.Event) -> N
             held.add(len(item.payload))
             super().put(item, block, timeout)
 
-    worker._inbox = Tracking()
-    store = worker._store
+    worker.transport.inbox = Tracking()
+    store = worker.ingest.store
 
     def stalled_store(messages: list[Any], outcomes: list[Any]) -> None:
         assert gate.wait(120), "the test never released the store"
         store(messages, outcomes)
         held.remove(len(messages), sum(len(m.payload) for m in messages))
 
-    worker._store = stalled_store  # type: ignore[method-assign]
+    worker.ingest.store = stalled_store  # type: ignore[method-assign]
 
 
 def _settings(
@@ -138,13 +139,13 @@ def test_inbox_stays_within_its_bytes_while_stalled_and_loses_no_qos1_sample(
     assert 100_000 < size < bound // 3
     collector = collector_factory(broker.url, [topics.receipts(fleet, agent)], broker.protocol)
     arrived = threading.Semaphore(0)
-    on_message = VerifierWorker._on_message
+    on_message = VerifierTransport._on_message
 
-    def counting(self: VerifierWorker, *args: Any) -> None:
+    def counting(self: VerifierTransport, *args: Any) -> None:
         on_message(self, *args)
         arrived.release()
 
-    monkeypatch.setattr(VerifierWorker, "_on_message", counting)
+    monkeypatch.setattr(VerifierTransport, "_on_message", counting)
     settings = _settings(
         make_settings,
         broker,

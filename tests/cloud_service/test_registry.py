@@ -14,8 +14,8 @@ from cloud_service.announce import MemoryAnnouncer
 from cloud_service.api import create_app
 from cloud_service.db import crud
 from edge_agent.testing import make_tiny_student
-from shared.manifest import FleetSigningKey, verify_manifest_bytes
-from shared.messages import ModelStatus
+from shared.manifest import FleetSigningKey
+from shared.messages import ModelStatus, verify_manifest_bytes
 from shared.topics import Topics
 
 with warnings.catch_warnings():

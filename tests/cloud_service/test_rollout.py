@@ -15,8 +15,7 @@ from cloud_service.announce import MemoryAnnouncer
 from cloud_service.api import create_app
 from cloud_service.db import crud
 from edge_agent.testing import make_tiny_student
-from shared.manifest import verify_manifest_bytes
-from shared.messages import AgentStatus, ModelStatus
+from shared.messages import AgentStatus, ModelStatus, verify_manifest_bytes
 from shared.topics import Topics
 
 with warnings.catch_warnings():

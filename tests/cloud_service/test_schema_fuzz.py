@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fuzz.openapi import api_server, fuzz_api
+from simulations.fuzz_api import api_server, fuzz_api
 
 pytest.importorskip("schemathesis")  # the dev extra installs it
 

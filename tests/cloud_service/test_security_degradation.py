@@ -122,19 +122,20 @@ def test_overload_sheds_audit_samples_first(make_settings, tmp_path) -> None:
 
             return Future()
 
-    real = worker.batcher
-    worker.batcher = Loaded()  # type: ignore[assignment]
+    verdicts = worker.verdicts
+    real = verdicts.batcher
+    verdicts.batcher = Loaded()  # type: ignore[assignment]
     try:
         audit, urgent = _task(9), _task(0)
-        worker._submit(audit)
-        worker._submit(urgent)
+        verdicts.submit(audit)
+        verdicts.submit(urgent)
         assert submitted == [urgent]
         assert worker.shed_count == 1
-        assert audit.sample_id not in worker._inflight  # the recovery scan may submit it later
+        assert not verdicts.in_flight(audit.sample_id)  # the recovery scan may submit it later
         assert 'edgeloop_verifier_shed_total{priority="9"} 1.0' in worker.metrics.render().decode()
         Loaded.depth = 10  # drained: audit samples go through again
-        worker._submit(audit)
+        verdicts.submit(audit)
         assert submitted == [urgent, audit]
     finally:
-        worker.batcher = real
+        verdicts.batcher = real
         worker.stop()

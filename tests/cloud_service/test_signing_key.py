@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cloud_service.api.state import load_signing_key
 from cloud_service.settings import CloudSettings
+from cloud_service.web.state import load_signing_key
 from shared.errors import ConfigError
 
 

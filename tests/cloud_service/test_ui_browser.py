@@ -288,7 +288,7 @@ def test_pages_and_a_reviewer_denied_an_admin_page(browser: Any, site: Site) -> 
 def test_schedule_run_and_watch_a_job(browser: Any, site: Site) -> None:
     from selenium.webdriver.common.by import By
 
-    from distill import jobs
+    from cloud_service.jobs import queue as jobs
 
     driver = browser
     sign_in(driver, site, "ada")

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from cloud_service.db import crud
-from distill import jobs
-from distill.store import Schedule
-from distill.worker import DistillWorker, JobContext, JobOutcome
+from cloud_service.jobs import queue as jobs
+from cloud_service.jobs.tables import Schedule
+from cloud_service.jobs.worker import DistillWorker, JobContext, JobOutcome
 from tests.cloud_service.test_ui_browser import (  # noqa: F401  (fixtures)
     Site,
     browser,

@@ -27,6 +27,7 @@ from tritonclient.utils import InferenceServerException
 
 from cloud_service.api import create_app
 from cloud_service.api.routes import v2
+from cloud_service.api.routes.v2 import reading as v2_reading
 from cloud_service.demo_teacher import build_demo_teacher
 from cloud_service.settings import CloudSettings
 from shared.broker import free_port
@@ -450,7 +451,7 @@ def test_bad_infer_requests_answer_4xx_with_an_error(
 
 
 def test_body_over_the_limit_is_413(http: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(v2, "MAX_BODY_BYTES", 1000)
+    monkeypatch.setattr(v2_reading, "MAX_BODY_BYTES", 1000)
     answer = http.post(f"/v2/models/{MODEL}/infer", content=b" " * 1001)
     assert answer.status_code == 413 and "over the limit" in answer.json()["error"]
     packed = gzip.compress(b" " * 5000)

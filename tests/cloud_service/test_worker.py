@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 import uuid
 import zlib
 from collections.abc import Callable, Iterator
@@ -17,6 +18,8 @@ from sqlalchemy import func, select
 from cloud_service.db.models import Agent, DeadLetter, Sample, Verdict
 from cloud_service.settings import CloudSettings
 from cloud_service.worker import VerifierWorker
+from shared.broker import free_port
+from shared.errors import TransportError
 from shared.messages import AgentStatus, Receipt, encode_message
 from shared.messages import Verdict as VerdictMessage
 from shared.topics import Topics
@@ -247,3 +250,52 @@ def test_decode_image_refuses_a_truncated_jpeg_and_garbage() -> None:
         decode_image(data[: len(data) // 2], (64, 64))
     with pytest.raises(ImageError):
         decode_image(b"\xff\xd8 not really a jpeg", (64, 64))
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_stop_from_several_threads_at_once_stops_once(
+    make_settings: Callable[..., CloudSettings], broker: Any, topics: Topics, database_url: str
+) -> None:
+    """The shape of a stop racing a stop (a signal handler and the owner's ``finally``):
+    every caller returns, none raises, and the MQTT thread is gone."""
+    with running_worker(make_settings, broker, topics, database_url) as worker:
+        assert worker.ready
+        barrier = threading.Barrier(4)
+        errors: list[BaseException] = []
+
+        def stop() -> None:
+            barrier.wait(30)
+            try:
+                worker.stop()
+            except BaseException as exc:  # the test's finding, reported below
+                errors.append(exc)
+
+        stoppers = [threading.Thread(target=stop) for _ in range(4)]
+        for thread in stoppers:
+            thread.start()
+        for thread in stoppers:
+            thread.join(60)
+    assert errors == [] and not any(thread.is_alive() for thread in stoppers)
+    health = worker.health()
+    assert health["ready"] is False
+    assert health["mqtt"]["alive"] is False  # type: ignore[index]
+    assert not any(health["threads"].values())  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_an_unreachable_broker_fails_the_start_and_leaves_no_thread(
+    make_settings: Callable[..., CloudSettings], topics: Topics, database_url: str
+) -> None:
+    settings = make_settings(
+        mqtt_url=f"mqtt://127.0.0.1:{free_port()}",  # nothing listens there
+        topic_prefix=topics.prefix,
+        database_url=database_url,
+        verifier_client_id=f"test-verifier-{uuid.uuid4().hex[:8]}",
+    )
+    worker = VerifierWorker(settings)
+    with pytest.raises(TransportError, match="cannot reach"):
+        worker.start()
+    health = worker.health()
+    assert health["mqtt"]["alive"] is False  # type: ignore[index]
+    assert not any(health["threads"].values())  # type: ignore[attr-defined]
+    worker.stop()  # stopped already: nothing to do

@@ -43,7 +43,7 @@ def _container(workload: dict[str, Any]) -> dict[str, Any]:
 def _cli(program: str) -> Any:
     """The click command behind an installed program (typer builds it from the app)."""
     from cloud_service.cli import app as cloud_app
-    from distill.cli import app as distill_app
+    from simulations.cli import app as distill_app
 
     apps = {"cloud-service": cloud_app, "edgeloop": distill_app}
     return typer.main.get_command(apps[program])

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -38,10 +37,8 @@ def test_bootstrap_produces_every_artifact(quick_models: ReferenceModels) -> Non
 
 def test_cache_hit_does_not_retrain(quick_models: ReferenceModels, model_cache: Path) -> None:
     before = {p: p.stat().st_mtime_ns for p in _files(quick_models)}
-    started = time.perf_counter()
     again = bootstrap_reference_models(model_cache, quick=True)
-    assert time.perf_counter() - started < 5.0
-    assert again.built == ()
+    assert again.built == ()  # nothing trained or exported again
     assert {p: p.stat().st_mtime_ns for p in _files(again)} == before
     assert again.metrics["student"] == quick_models.metrics["student"]
 

@@ -25,8 +25,8 @@ from cloud_service.db.session import make_engine, make_session_factory, upgrade_
 from edge_agent.agent import Agent
 from edge_agent.settings import AgentSettings
 from edge_agent.testing import MemoryPublisher, make_tiny_student
-from shared.manifest import FleetSigningKey, sign_manifest
-from shared.messages import ModelStatus, decode_message, encode_message
+from shared.manifest import FleetSigningKey
+from shared.messages import ModelStatus, decode_message, encode_message, sign_manifest
 from shared.topics import Topics
 
 FLEET = "test-fleet"

@@ -1,4 +1,9 @@
-"""Micro-batching: batches fill up to max_batch, a lone frame waits at most max_wait."""
+"""Micro-batching: batches fill up to max_batch, a lone frame waits at most max_wait.
+
+Batch forming is checked on a ``FakeClock``: with the clock standing still only a
+full batch can go, and a partial batch goes once the test has moved the clock past
+its wait. No assertion depends on how fast this machine is.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,10 @@ import pytest
 
 from edge_agent.batcher import JobBatch, MicroBatcher
 from shared.errors import ModelError
+from tests.clocks import FakeClock
+
+WAIT_S = 0.0625  # max_wait_s on a FakeClock: a power of two, so sums stay exact
+SAFETY_NET_S = 30.0  # how long a future may take before the test gives up
 
 
 class RecordingEngine:
@@ -35,25 +44,34 @@ def frame(value: int) -> np.ndarray:
     return np.full((4, 4, 3), value, dtype=np.uint8)
 
 
-def test_each_future_gets_its_own_row() -> None:
-    engine = RecordingEngine(delay=0.02)
-    with MicroBatcher(engine, max_batch=4, max_wait_s=0.05) as batcher:
-        futures = [batcher.submit(frame(v)) for v in range(10)]
-        results = [f.result(5) for f in futures]
+def test_each_future_gets_its_own_row_and_full_batches_go_without_waiting() -> None:
+    clock = FakeClock()  # never moves: only a full batch can go
+    engine = RecordingEngine()
+    with MicroBatcher(engine, max_batch=4, max_wait_s=WAIT_S, clock=clock) as batcher:
+        futures = [batcher.submit(frame(v)) for v in range(12)]
+        results = [f.result(SAFETY_NET_S) for f in futures]
     for value, result in enumerate(results):
         assert result.scores[0] == pytest.approx(value / 255)
-    assert max(engine.sizes) <= 4
-    assert sum(engine.sizes) == 10
-    assert len(engine.sizes) < 10  # batched across submitters
+        assert result.batch_size == 4
+    assert engine.sizes == [4, 4, 4]  # batched across submits, none of them waited out
 
 
-def test_lone_frame_waits_at_most_max_wait() -> None:
+def test_a_lone_frame_goes_once_max_wait_has_passed_on_the_clock() -> None:
+    clock = FakeClock()
     engine = RecordingEngine()
-    with MicroBatcher(engine, max_batch=64, max_wait_s=0.01) as batcher:
-        batcher.submit(frame(0)).result(5)  # warm the thread
-        start = time.perf_counter()
-        batcher.submit(frame(1)).result(5)
-        assert time.perf_counter() - start < 0.2
+    with MicroBatcher(engine, max_batch=64, max_wait_s=WAIT_S, clock=clock) as batcher:
+        future = batcher.submit(frame(1))
+        # The loop reads the clock once the frame is there (its deadline, then what
+        # is left of it); it reads nothing while idle.
+        assert clock.wait_for_reads(2)
+        clock.advance(WAIT_S / 2)
+        reads = clock.reads
+        assert clock.wait_for_reads(reads + 1)  # it looked again: half the wait is left
+        assert not future.done()
+        clock.advance(WAIT_S / 2)
+        result = future.result(SAFETY_NET_S)
+    assert result.batch_size == 1
+    assert engine.sizes == [1]
 
 
 def test_many_threads() -> None:
@@ -64,7 +82,7 @@ def test_many_threads() -> None:
         def client(v: int) -> None:
             for _ in range(20):
                 try:
-                    r = batcher.submit(frame(v)).result(5)
+                    r = batcher.submit(frame(v)).result(SAFETY_NET_S)
                     assert r.scores[0] == pytest.approx(v / 255)
                 except BaseException as exc:
                     errors.append(exc)
@@ -73,7 +91,7 @@ def test_many_threads() -> None:
         for t in threads:
             t.start()
         for t in threads:
-            t.join(30)
+            t.join(SAFETY_NET_S)
     assert not errors
     assert sum(engine.sizes) == 120
 
@@ -87,7 +105,7 @@ def test_engine_errors_reach_every_future() -> None:
         futures = [batcher.submit(frame(0)) for _ in range(3)]
         for f in futures:
             with pytest.raises(ModelError, match="boom"):
-                f.result(5)
+                f.result(SAFETY_NET_S)
         # The loop survived.
         assert batcher.pending == 0
 
@@ -95,9 +113,9 @@ def test_engine_errors_reach_every_future() -> None:
 def test_swap_between_batches() -> None:
     first, second = RecordingEngine(), RecordingEngine()
     with MicroBatcher(first, max_batch=2, max_wait_s=0.001) as batcher:
-        assert batcher.submit(frame(1)).result(5).engine is first
+        assert batcher.submit(frame(1)).result(SAFETY_NET_S).engine is first
         batcher.swap_engine(second)
-        assert batcher.submit(frame(1)).result(5).engine is second
+        assert batcher.submit(frame(1)).result(SAFETY_NET_S).engine is second
 
 
 def test_submit_after_stop_is_refused() -> None:
@@ -124,20 +142,23 @@ class _Jobs:
 
 def test_jobs_reach_the_handler_a_batch_at_a_time_with_their_own_rows() -> None:
     jobs = _Jobs()
-    jobs.expected = 8
-    engine = RecordingEngine(delay=0.02)
-    with MicroBatcher(engine, max_batch=4, max_wait_s=0.05, on_batch=jobs) as batcher:
-        futures = [batcher.submit(frame(255))]
-        for v in range(8):
-            batcher.submit_job(frame(v * 10), f"job-{v}")
-        assert jobs.done.wait(5)
-        assert futures[0].result(5).scores[0] == pytest.approx(1.0)
-    assert len(jobs.calls) == len(engine.sizes) < 9  # one call per batch, not per frame
+    jobs.expected = 7
+    engine = RecordingEngine()
+    clock = FakeClock()  # never moves: batches go when full
+    with MicroBatcher(engine, max_batch=4, max_wait_s=WAIT_S, on_batch=jobs, clock=clock) as b:
+        future = b.submit(frame(255))
+        for v in range(7):
+            b.submit_job(frame(v * 10), f"job-{v}")
+        assert jobs.done.wait(SAFETY_NET_S)
+        assert future.result(SAFETY_NET_S).scores[0] == pytest.approx(1.0)
+    assert engine.sizes == [4, 4]
+    assert len(jobs.calls) == 2  # one call per batch, not per frame
     delivered = [job for call in jobs.calls for job in call[0]]
-    assert delivered == [f"job-{v}" for v in range(8)]
+    assert delivered == [f"job-{v}" for v in range(7)]
+    assert [len(call[0]) for call in jobs.calls] == [3, 4]  # the future's frame rode along
     for call in jobs.calls:
         names, firsts, size, error = call
-        assert error is None and size >= len(names)
+        assert error is None and size == 4
         assert firsts == pytest.approx([int(str(n)[4:]) * 10 / 255 for n in names])
 
 
@@ -151,7 +172,7 @@ def test_a_failed_batch_and_a_stop_answer_every_job_with_the_error() -> None:
     with MicroBatcher(Broken(), max_batch=4, max_wait_s=0.01, on_batch=jobs) as batcher:
         batcher.submit_job(frame(0), "a")
         batcher.submit_job(frame(0), "b")
-        assert jobs.done.wait(5)
+        assert jobs.done.wait(SAFETY_NET_S)
     assert all(isinstance(c[3], ModelError) and c[1] is None for c in jobs.calls)
 
     stopped = _Jobs()
@@ -165,16 +186,21 @@ def test_a_failed_batch_and_a_stop_answer_every_job_with_the_error() -> None:
     assert "stopping" in str(stopped.calls[0][3])
 
 
-def test_a_full_queue_refuses_at_once_without_blocking() -> None:
-    batcher = MicroBatcher(RecordingEngine(), max_queue=2, on_batch=_Jobs())  # never started
+def test_a_full_queue_refuses_at_once_or_once_the_timeout_has_passed() -> None:
+    clock = FakeClock(step=0.01)  # each look at the time moves it on by 10 ms
+    # Never started: nothing leaves the queue.
+    batcher = MicroBatcher(RecordingEngine(), max_queue=2, on_batch=_Jobs(), clock=clock)
     batcher.submit_job(frame(0), "a")
     batcher.submit(frame(0))
+    reads = clock.reads
     with pytest.raises(queue.Full):
         batcher.submit_job(frame(0), "c", block=False)
-    started = time.monotonic()
+    assert clock.reads <= reads + 1  # refused on its first look, without waiting
+    started = clock.now
     with pytest.raises(queue.Full):
         batcher.submit(frame(0), timeout=0.05)
-    assert time.monotonic() - started < 1.0
+    assert clock.now >= started + 0.05  # gave up once its timeout had passed on the clock
+    assert batcher.pending == 2
     batcher.stop()
 
 

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-import time
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from bench import agent as bench_agent
 from edge_agent.testing import make_tiny_student
+from tests.edge_agent.conftest import wait_for
+
+
+def _eventually(predicate: Callable[[], bool]) -> bool:
+    """Poll until ``predicate`` holds; 60 s is a safety net, not a speed bound."""
+    return wait_for(predicate, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +55,6 @@ def test_video_rounds_report_the_agent_against_each_raw_loop(tmp_path: Path, cli
 def test_the_per_thread_table_names_threads_the_agent_runs(tmp_path: Path, clip: Path) -> None:
     """A thread renamed in the agent would read 0 in the bench's table: the names must
     be the ones a running agent (camera source, stand-in cloud) has."""
-    import threading
 
     from edge_agent.agent import Agent
     from edge_agent.settings import AgentSettings, CameraSource
@@ -62,11 +68,13 @@ def test_the_per_thread_table_names_threads_the_agent_runs(tmp_path: Path, clip:
         cameras=[CameraSource(name="video", uri=str(clip), max_fps=200.0)],
     )
     cloud = bench_agent._StandInCloud(settings.topics, settings.fleet, settings.agent_id)
-    with Agent(settings, publisher=cloud):
-        time.sleep(0.5)
-        running = {t.name.rstrip("0123456789").rstrip("-") for t in threading.enumerate()}
     named = {name for name, _ in bench_agent.AGENT_THREADS} - {"native"}
-    assert named <= running, named - running
+
+    def running() -> set[str]:
+        return {t.name.rstrip("0123456789").rstrip("-") for t in threading.enumerate()}
+
+    with Agent(settings, publisher=cloud):
+        assert _eventually(lambda: named <= running()), named - running()
 
 
 def test_thread_cpu_counts_a_busy_thread_under_its_name_without_its_number() -> None:
@@ -81,7 +89,7 @@ def test_thread_cpu_counts_a_busy_thread_under_its_name_without_its_number() -> 
     worker = threading.Thread(target=spin, name="bench-probe-7", daemon=True)
     worker.start()
     try:
-        time.sleep(0.3)
+        assert _eventually(lambda: bench_agent._thread_cpu().get("bench-probe", 0.0) > 0.05)
         cpu = bench_agent._thread_cpu()
     finally:
         done.set()
@@ -109,11 +117,12 @@ def test_the_stand_in_cloud_receipts_and_answers_every_forwarded_sample(tmp_path
     frame = np.zeros((64, 64, 3), np.uint8)
     with Agent(settings, publisher=cloud, start_sources=False) as agent:
         ids = [agent.process(frame, source="test").sample_id for _ in range(5)]
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (
-            agent.spool.depth or any(agent.sample(i).get("verdict") is None for i in ids)  # type: ignore[union-attr]
-        ):
-            time.sleep(0.02)
+        assert _eventually(
+            lambda: (
+                not agent.spool.depth
+                and all(agent.sample(i).get("verdict") is not None for i in ids)
+            )  # type: ignore[union-attr]
+        )
         assert agent.spool.depth == 0  # every sample receipted
         verdicts = [agent.sample(i)["verdict"] for i in ids]  # type: ignore[index]
         assert [v["sample_id"] for v in verdicts] == ids

@@ -68,17 +68,28 @@ def test_broker_outage_loses_nothing(
         streamers = [threading.Thread(target=stream, name=f"stream-{k}") for k in range(2)]
         for t in streamers:
             t.start()
-        time.sleep(1.0)
+        # Some samples forwarded and delivered before the outage ...
+        assert until(lambda: len(forwarded) >= 5, timeout=60)
         mosquitto.stop()  # type: ignore[attr-defined]
+        assert until(lambda: not agent.publisher.connected, timeout=60)
         with lock:
-            answered_at_outage = answered
-        time.sleep(3.0)
+            answered_at_outage, forwarded_at_outage = answered, len(forwarded)
+        # ... frames answered and samples spooled while the broker is down ...
+        assert until(
+            lambda: (
+                answered > answered_at_outage + 20 and len(forwarded) >= forwarded_at_outage + 5
+            ),
+            timeout=60,
+        )
         with lock:
             answered_during_outage = answered - answered_at_outage
         depth_during_outage = agent.spool.depth
-        assert not agent.publisher.connected
         mosquitto.start()  # type: ignore[attr-defined]
-        time.sleep(1.5)
+        # ... and more after it, on the restored connection.
+        assert until(lambda: agent.publisher.connected, timeout=60)
+        with lock:
+            forwarded_after = len(forwarded)
+        assert until(lambda: len(forwarded) >= forwarded_after + 5, timeout=60)
         stop.set()
         for t in streamers:
             t.join(10)

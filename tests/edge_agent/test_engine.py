@@ -80,3 +80,14 @@ def test_runtime_degradation_to_cpu(engine: OrtEngine, student_path: Path) -> No
     assert scores.shape == (2, 4)
     assert degrading.degraded
     assert degrading.provider == "cpu"
+
+
+def test_the_models_task_is_read_and_an_unknown_task_is_refused(tmp_path: Path) -> None:
+    path = make_tiny_student(tmp_path / "student.onnx")
+    assert OrtEngine(path, EngineOptions(warmup_runs=0)).task == "classification"
+    model = onnx.load(str(path))
+    entry = model.metadata_props.add()
+    entry.key, entry.value = "edgeloop.task", "segmentation"
+    onnx.save(model, str(path))
+    with pytest.raises(ModelError, match="unknown task 'segmentation'"):
+        OrtEngine(path, EngineOptions(warmup_runs=0))

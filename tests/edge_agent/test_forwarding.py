@@ -52,7 +52,8 @@ def test_fresh_samples_are_published_once_and_receipted(
     publisher = MemoryPublisher(auto_receipt=True)
     settings = make_settings(route_max_prob_below=1.01)
     with Agent(settings, engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
-        assert until(lambda: not agent._uplink_backlogged)  # the pump found the spool empty
+        # The pump found the spool empty.
+        assert until(lambda: not agent.forwarding.uplink_backlogged)
         futures = [agent.submit(frame, source="test") for frame in frames(24)]
         ids = [f.result(10).sample_id for f in futures]
         assert until(lambda: agent.spool.depth == 0)

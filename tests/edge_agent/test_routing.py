@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from edge_agent.routing import AUDIT_PRIORITY, Router, RoutingPolicy, uncertainty
+from shared.tasks import CLASSIFICATION
 
 
 class FakeClock:
@@ -154,3 +155,11 @@ def test_uncertainties_matches_uncertainty_per_row_even_for_one_class() -> None:
     for batch in (np.array([[1.0], [0.5]]), np.array([[0.1, 0.7, 0.2], [0.5, 0.5, 0.0]])):
         rows = list(zip(*uncertainties(batch), strict=True))
         assert rows == [pytest.approx(uncertainty(row)) for row in batch]
+
+
+def test_the_router_answers_through_the_models_task() -> None:
+    router = Router(RoutingPolicy(max_prob_below=0.6), clock=lambda: 0.0, task=CLASSIFICATION)
+    assert router.task is CLASSIFICATION
+    decisions = router.decide_batch(np.array([[0.5, 0.3, 0.2], [0.9, 0.05, 0.05]]))
+    assert [d.forward for d in decisions] == [True, False]
+    assert decisions[0].reason == "low_confidence"

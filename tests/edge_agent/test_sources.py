@@ -124,7 +124,12 @@ def test_live_source_keeps_the_newest_frame_and_counts_drops(
             opener=lambda uri: capture,
             live=True,
         ).start()
-        time.sleep(1.0)
+
+        def dropped_and_answered() -> bool:
+            now = reader.status()
+            return now["dropped"] > 10 and now["answered"] > 0
+
+        assert until(dropped_and_answered, timeout=60)
         reader.stop()
         status = reader.status()
     assert status["dropped"] > 10

@@ -20,8 +20,8 @@ from edge_agent.agent import Agent
 from edge_agent.settings import AgentSettings
 from edge_agent.testing import MemoryPublisher, make_tiny_student
 from edge_agent.updates import token_for
-from shared.manifest import FleetSigningKey, sign_manifest
-from shared.messages import encode_message
+from shared.manifest import FleetSigningKey
+from shared.messages import encode_message, sign_manifest
 
 KEY = FleetSigningKey.generate()
 TOKEN = "cloud-token"

@@ -22,9 +22,10 @@ from cloud_service.registry import build_manifest
 from edge_agent.agent import Agent
 from edge_agent.settings import AgentSettings
 from edge_agent.testing import MemoryPublisher, make_tiny_student
-from edge_agent.updates import ModelUpdater, active_model_path, offline_rollback
-from shared.manifest import FleetSigningKey, ModelManifest, sign_manifest
-from shared.messages import ModelStatus, decode_message, encode_message
+from edge_agent.updates import active_model_path, offline_rollback
+from edge_agent.updates.artifacts import ArtifactFetcher
+from shared.manifest import FleetSigningKey, ModelManifest
+from shared.messages import ModelStatus, decode_message, encode_message, sign_manifest
 
 KEY = FleetSigningKey.generate()
 OTHER_KEY = FleetSigningKey.generate()
@@ -227,7 +228,7 @@ def test_refusals_leave_the_old_model_serving(
         def full(handle: Any, chunk: bytes) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(ModelUpdater, "_write", lambda self, h, c: full(h, c))
+        monkeypatch.setattr(ArtifactFetcher, "_write", lambda self, h, c: full(h, c))
 
     result = deliver(running, publisher, raw, until)
     assert result["result"] == "rejected" and result["reason"] == reason, result

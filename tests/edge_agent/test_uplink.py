@@ -45,7 +45,7 @@ def test_spool_drains_only_on_receipts(
 
 def test_the_link_reports_connects_disconnects_and_the_last_error(broker: object) -> None:
     """What ``edge-agent status`` shows of the uplink, over a real broker."""
-    import time
+    import threading
     import uuid
 
     from edge_agent.uplink import MqttLink
@@ -53,11 +53,11 @@ def test_the_link_reports_connects_disconnects_and_the_last_error(broker: object
     target = broker.target  # type: ignore[attr-defined]
     client_id = f"edgeloop-test-link-{uuid.uuid4().hex[:8]}"
     link = MqttLink(target, client_id=client_id, subscriptions=[])
+    connected = threading.Event()
+    link.set_handlers(on_message=lambda topic, payload: None, on_connect=connected.set)
     link.start()
     try:
-        deadline = time.monotonic() + 10
-        while not link.connected and time.monotonic() < deadline:
-            time.sleep(0.02)
+        assert connected.wait(30)
         status = link.status()
         assert status["connected"] and status["connects"] == 1
         assert status["client_id"] == client_id
@@ -65,3 +65,29 @@ def test_the_link_reports_connects_disconnects_and_the_last_error(broker: object
         assert (status["disconnects"], status["outbox"], status["last_error"]) == (0, 0, None)
     finally:
         link.stop()
+    assert not link.connected and link.health()["alive"] is False
+
+
+def test_flush_returns_once_the_outbox_is_written(broker: object) -> None:
+    """The agent's last 'offline' status: published, flushed, then the link stops."""
+    import threading
+    import uuid
+
+    from edge_agent.uplink import MqttLink
+
+    target = broker.target  # type: ignore[attr-defined]
+    topic = f"edgeloop-test/{uuid.uuid4().hex[:8]}/status"
+    link = MqttLink(
+        target, client_id=f"edgeloop-test-flush-{uuid.uuid4().hex[:8]}", subscriptions=[]
+    )
+    connected = threading.Event()
+    link.set_handlers(on_message=lambda topic, payload: None, on_connect=connected.set)
+    link.start()
+    try:
+        assert connected.wait(30)
+        for i in range(50):
+            link.publish(topic, b"status %d" % i, qos=1)
+        assert link.flush(30) and link.backlog == 0
+    finally:
+        link.stop()
+    assert link.published == 50

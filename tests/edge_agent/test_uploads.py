@@ -216,41 +216,45 @@ def test_worker_pool_runs_jobs_survives_failures_and_drains_on_shutdown() -> Non
         pool.submit(job, 99)
 
 
-class _SlowEngine:
-    """Delegates to the real engine after a pause: uploads outlive infer_timeout_s."""
+class _HeldEngine:
+    """Delegates to the real engine once released: uploads outlive infer_timeout_s."""
 
-    def __init__(self, engine: object, delay: float) -> None:
+    def __init__(self, engine: object) -> None:
         self._engine = engine
-        self.delay = delay
+        self.release = threading.Event()
+        self.finished = threading.Event()
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._engine, name)
 
     def run(self, frames: np.ndarray) -> np.ndarray:
-        time.sleep(self.delay)
-        return self._engine.run(frames)  # type: ignore[attr-defined, no-any-return]
+        assert self.release.wait(60), "the test never released the engine"
+        try:
+            return self._engine.run(frames)  # type: ignore[attr-defined, no-any-return]
+        finally:
+            self.finished.set()
 
 
 def test_an_upload_with_no_answer_in_time_gets_503_and_later_ones_still_get_answers(
     make_settings: Callable[..., AgentSettings], engine: object, make_image: Callable[..., bytes]
 ) -> None:
     settings = make_settings(infer_timeout_s=0.2)
-    slow = _SlowEngine(engine, delay=0.6)
+    held = _HeldEngine(engine)
     headers = {"Content-Type": "image/jpeg"}
     with (
-        Agent(settings, engine=slow, publisher=MemoryPublisher()) as agent,  # type: ignore[arg-type]
+        Agent(settings, engine=held, publisher=MemoryPublisher()) as agent,  # type: ignore[arg-type]
         ApiServer(create_app(agent)) as server,
         httpx.Client(base_url=server.url) as client,
     ):
-        started = time.monotonic()
         late = client.post("/v1/frames", content=make_image(), headers=headers)
-        waited = time.monotonic() - started
-        slow.delay = 0.0
-        time.sleep(0.6)  # the late frame's batch ends
+        # Answered at the timeout while inference is still held, not when it ends.
+        inference_ended_first = held.finished.is_set()
+        held.release.set()
+        assert held.finished.wait(60)  # the late frame's batch ends
         ok = client.post("/v1/frames", content=make_image(), headers=headers)
     assert late.status_code == 503
     assert late.json()["reason"] == "timeout"
-    assert 0.15 < waited < 0.55  # answered at the timeout, not when inference ended
+    assert not inference_ended_first
     assert ok.status_code == 200, ok.text
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from tests.fuzz.targets import (
+from simulations.fuzz_targets import (
     ANNOUNCEMENTS,
     ENVELOPES,
     FRAME_TYPES,
@@ -83,7 +83,7 @@ def test_frame_upload_never_5xx(frames_client: Any, body: bytes, content_type: s
 
 
 def test_targets_reach_both_outcomes() -> None:
-    from tests.fuzz.targets import VALID_ANNOUNCEMENT, VALID_ENVELOPE
+    from simulations.fuzz_targets import VALID_ANNOUNCEMENT, VALID_ENVELOPE
 
     assert check_envelope(VALID_ENVELOPE) == "accepted"
     assert check_manifest(VALID_ANNOUNCEMENT) == "accepted"

@@ -72,7 +72,7 @@ def test_build_engine_fails_clearly_without_tensorrt(tmp_path: Path) -> None:
         pytest.skip("tensorrt is installed here")
     except ImportError:
         pass
-    from distill.cli_engine import register_engine_command
+    from simulations.cli_engine import register_engine_command
 
     app = typer.Typer()
     app.command("noop")(lambda: None)

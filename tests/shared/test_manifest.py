@@ -37,11 +37,16 @@ from shared.manifest import (
     canonical_manifest_bytes,
     key_id_for,
     sha256_file,
+)
+from shared.messages import (
+    ModelAnnouncement,
+    decode_any,
+    decode_message,
+    encode_message,
     sign_manifest,
     verify_announcement,
     verify_manifest_bytes,
 )
-from shared.messages import ModelAnnouncement, decode_any, decode_message, encode_message
 
 GOLDEN_INPUT = bytes(range(12))  # one 2x2 RGB frame
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 from typing import Any
@@ -98,6 +99,30 @@ def test_target_parsing_hides_passwords() -> None:
     assert "p@ss" not in repr(target)
 
 
+def _accepted(broker: EmbeddedBroker, sock: socket.socket) -> bool:
+    """Whether the broker's event loop holds the server side of ``sock``'s connection."""
+
+    async def held() -> bool:
+        transports = getattr(asyncio.get_running_loop(), "_transports", {})
+        return any(
+            t is not None and t.get_extra_info("peername") == sock.getsockname()
+            for t in list(transports.values())
+        )
+
+    loop = broker._loop
+    assert loop is not None
+    return asyncio.run_coroutine_threadsafe(held(), loop).result(30)
+
+
+def _wait_until_accepted(broker: EmbeddedBroker, sock: socket.socket) -> None:
+    pause = threading.Event()
+    for _ in range(3000):  # a safety net of 30 s: it is accepted within moments
+        if _accepted(broker, sock):
+            return
+        pause.wait(0.01)
+    raise AssertionError("the broker never accepted the connection")
+
+
 def test_the_embedded_broker_leaves_no_connection_open() -> None:
     """amqtt keeps a connection open when it ends before a valid CONNECT (a port
     probe, a refused protocol version): the embedded broker closes it, and closes what
@@ -105,7 +130,6 @@ def test_the_embedded_broker_leaves_no_connection_open() -> None:
     warns, in whatever code runs then)."""
     import gc
     import sys
-    import time
     import warnings
 
     unraisable: list[Any] = []
@@ -117,7 +141,7 @@ def test_the_embedded_broker_leaves_no_connection_open() -> None:
             socket.create_connection((broker.host, broker.port)).close()  # a port probe
             assert negotiate_protocol(MqttTarget.parse(broker.url)) == "3.1.1"  # v5 refused
             stays = socket.create_connection((broker.host, broker.port))  # open at the stop
-            time.sleep(0.3)
+            _wait_until_accepted(broker, stays)
             broker.stop()
             stays.close()
             gc.collect()

@@ -17,8 +17,9 @@ from rich.console import Console
 
 from distill.scenario import ScenarioConfig, render_split
 from shared.settings import EdgeLoopSettings
-from simulations.closed_loop import _goals, goal_columns, split_pool, table_header, table_rows
+from simulations.closed_loop import split_pool
 from simulations.demo import run_demo
+from simulations.loop_table import goal_columns, goals, table_header, table_rows
 from simulations.report import render_report
 
 pytestmark = pytest.mark.mqtt
@@ -235,7 +236,7 @@ def test_report_has_a_column_per_round() -> None:
         "rounds": rounds,
         "timeline": {"frames": frames, "versions": [(0, "cam-1", "a"), (100, "cam-1", "b")]},
     }
-    report["goals"] = _goals(report)
+    report["goals"] = goals(report)
     report["goal_columns"] = goal_columns(report)
     # The first-round goals read round 1, the steady-state ones the last round.
     assert report["goals"]["gap_closed_share"] == round((0.91 - 0.8) / (0.98 - 0.8), 3)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from simulations.cli import sim_app
+from simulations.cli_sim import sim_app
 from simulations.projection import ProjectionInputs, measure_row_bytes, project, status_bytes
 
 INPUTS = ProjectionInputs(

@@ -6,9 +6,9 @@ import logging
 
 from fastapi import APIRouter, status
 
-from cloud_service.api.deps import AdminDep, SessionDep, SettingsDep, StateDep
 from cloud_service.api.schemas import EnrollIn, EnrollOut, TokenCreate, TokenOut
 from cloud_service.db import crud
+from cloud_service.web.deps import AdminDep, SessionDep, SettingsDep, StateDep
 
 router = APIRouter(prefix="/v1", tags=["enrollment"])
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 
 from cloud_service import exports
-from cloud_service.api.deps import AdminDep, BlobsDep, SessionDep, StateDep
 from cloud_service.ui import store
+from cloud_service.web.deps import AdminDep, BlobsDep, SessionDep, StateDep
 
 router = APIRouter(prefix="/v1", tags=["exports"])
 

@@ -7,7 +7,6 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query, Response, status
 
-from cloud_service.api.deps import AdminDep, BlobsDep, SessionDep
 from cloud_service.api.schemas import (
     AgentId,
     AgentOut,
@@ -22,6 +21,7 @@ from cloud_service.api.schemas import (
 )
 from cloud_service.db import crud
 from cloud_service.errors import NotFoundError
+from cloud_service.web.deps import AdminDep, BlobsDep, SessionDep
 
 router = APIRouter(prefix="/v1", tags=["fleet"])
 

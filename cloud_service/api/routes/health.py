@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
-from cloud_service.api.deps import MetricsDep, StateDep
+from cloud_service.web.deps import MetricsDep, StateDep
 
 router = APIRouter(tags=["health"])
 

@@ -4,7 +4,8 @@
 (``/v1/jobs/queue``: does anything wait with no worker?) and the parameters a job takes
 (``/v1/jobs/params``); ``/v1/fleets``, the known fleets. ``/v1/schedules``: list,
 create, show, update (enable/disable), delete, run now. Each route checks its input,
-calls one function of ``distill.jobs`` / ``distill.schedules``, and returns.
+calls one function of ``cloud_service.jobs.queue`` / ``cloud_service.jobs.schedules``,
+and returns.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from fastapi import APIRouter, Query, status
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
-from cloud_service.api.deps import AdminDep, SessionDep
 from cloud_service.api.schemas import MAX_ROW_ID, RowIdPath
-from cloud_service.api.state import ApiState
-from distill import jobs, schedules
-from distill.store import JOB_STATES
+from cloud_service.jobs import queue as jobs
+from cloud_service.jobs import schedules
+from cloud_service.jobs.tables import JOB_STATES
+from cloud_service.web.deps import AdminDep, SessionDep
+from cloud_service.web.state import ApiState
 from shared.errors import ContractError
 
 router = APIRouter(prefix="/v1", tags=["jobs"])

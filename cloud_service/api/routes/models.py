@@ -19,7 +19,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from cloud_service import registry, rollout
-from cloud_service.api.deps import (
+from cloud_service.api.schemas import RowIdPath
+from cloud_service.db.models import ModelStatusEvent, ModelVersion, Rollout, RolloutEvent
+from cloud_service.web.deps import (
     AdminDep,
     AgentOrAdminDep,
     AnnouncerDep,
@@ -28,8 +30,6 @@ from cloud_service.api.deps import (
     SettingsDep,
     StateDep,
 )
-from cloud_service.api.schemas import RowIdPath
-from cloud_service.db.models import ModelStatusEvent, ModelVersion, Rollout, RolloutEvent
 from shared.errors import ContractError, StoreError
 from shared.topics import validate_id
 

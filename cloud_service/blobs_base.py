@@ -1,0 +1,50 @@
+"""The blob store interface and its key rules, shared by every implementation.
+
+Keys are relative, slash-separated paths such as ``samples/{fleet}/{agent}/{id}.jpg``.
+The local folder (``cloud_service.blobs``) and the S3 bucket (``cloud_service.blobs_s3``)
+both check keys with ``check_blob_key``; ``cloud_service.blobs.open_blob_store`` picks one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from shared.errors import StoreError
+
+__all__ = ["BlobStore", "check_blob_key", "sample_image_key"]
+
+_KEY_RE = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
+
+
+@runtime_checkable
+class BlobStore(Protocol):
+    """Where images and artifacts live. ``put`` returns only once the bytes are durable."""
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Store several blobs; durable when it returns (one flush for all where possible)."""
+        ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def delete(self, key: str) -> None: ...
+
+
+def sample_image_key(fleet: str, agent: str, sample_id: str, image_format: str) -> str:
+    """The key of a sample's image (ids were validated, so they are safe path parts)."""
+    ext = "jpg" if image_format == "jpeg" else image_format
+    # The first 8 hex digits of a UUIDv7 are its time prefix (~18 h buckets), which
+    # keeps any one folder from holding millions of files.
+    return f"samples/{fleet}/{agent}/{sample_id[:8]}/{sample_id}.{ext}"
+
+
+def check_blob_key(key: str) -> str:
+    """``key`` if it is a relative a/b/c.ext path of safe parts; StoreError otherwise."""
+    if not _KEY_RE.fullmatch(key) or any(part in (".", "..") for part in key.split("/")):
+        raise StoreError(f"blob key {key!r} is not valid: use relative a/b/c.ext paths")
+    return key

@@ -1,0 +1,272 @@
+"""What ingest and the verifier write: samples, verdicts, dead letters, agent and model status.
+
+Writes that must be idempotent (samples, verdicts) use the dialect's
+``INSERT ... ON CONFLICT DO NOTHING`` with RETURNING, so one statement both stores
+a batch and tells which rows were new.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import insert, select, text, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from cloud_service.db.models import Agent, Base, DeadLetter, ModelStatusEvent, Sample, Verdict
+from shared.errors import StoreError
+from shared.messages import AgentStatus, ModelStatus
+
+__all__ = [
+    "COLLISION_ATTEMPTS",
+    "SampleKey",
+    "colliding_sample_id",
+    "get_verdicts",
+    "insert_dead_letters",
+    "insert_samples",
+    "insert_verdicts",
+    "pending_samples",
+    "record_agent_status",
+    "record_model_status",
+    "store_samples",
+]
+
+
+def _insert_ignore(session: Session, model: type[Base], key: str) -> Any:
+    """An INSERT that skips rows whose ``key`` already exists, for this session's dialect."""
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        return postgresql.insert(model).on_conflict_do_nothing(index_elements=[key])
+    if dialect == "sqlite":
+        return sqlite.insert(model).on_conflict_do_nothing(index_elements=[key])
+    raise StoreError(f"database {dialect!r} is not supported: use SQLite or PostgreSQL")
+
+
+def _chunks(rows: Sequence[dict[str, Any]], size: int = 500) -> Iterable[Sequence[dict[str, Any]]]:
+    for start in range(0, len(rows), size):
+        yield rows[start : start + size]
+
+
+def _insert_ignore_unnest(
+    session: Session, model: type[Base], key: str, rows: Sequence[dict[str, Any]]
+) -> set[str]:
+    """PostgreSQL: ``INSERT ... SELECT unnest(array), ... ON CONFLICT DO NOTHING RETURNING``.
+
+    One statement of one array parameter per column, whatever the number of rows: its
+    text never changes (psycopg parses it once, not once per batch as it must a
+    multi-row VALUES list), and psycopg adapts each column's values as one array.
+    """
+    table = model.__table__
+    dialect = session.get_bind().dialect
+    columns: list[Any] = []
+    defaults: dict[str, Any] = {}
+    for column in table.columns:
+        if column.name in rows[0]:
+            columns.append(column)
+        elif column.default is not None and not column.primary_key:
+            # A Python-side default the ORM would have applied (received_at, status, ...):
+            # computed once for the batch.
+            default = column.default
+            defaults[column.name] = default.arg(None) if default.is_callable else default.arg
+            columns.append(column)
+    selects: list[str] = []
+    params: dict[str, list[Any]] = {}
+    for column in columns:
+        if column.name in defaults:
+            values = [defaults[column.name]] * len(rows)
+        else:
+            values = [row[column.name] for row in rows]
+        kind = column.type.compile(dialect=dialect)
+        if kind in ("JSON", "JSONB"):
+            values = [None if v is None else json.dumps(v) for v in values]
+            selects.append(f"CAST(unnest(CAST(:{column.name} AS TEXT[])) AS {kind})")
+        else:
+            selects.append(f"unnest(CAST(:{column.name} AS {kind}[]))")
+        params[column.name] = values
+    names = ", ".join(c.name for c in columns)
+    statement = text(
+        f"INSERT INTO {model.__tablename__} ({names}) SELECT {', '.join(selects)}"
+        f" ON CONFLICT ({key}) DO NOTHING RETURNING {key}"
+    )
+    return set(session.scalars(statement, params).all())
+
+
+def insert_samples(*, session: Session, rows: Sequence[dict[str, Any]]) -> set[str]:
+    """Store sample rows, skipping ids already stored; return the ids that were new."""
+    new: set[str] = set()
+    if rows and session.get_bind().dialect.name == "postgresql":
+        return _insert_ignore_unnest(session, Sample, "sample_id", rows)
+    for chunk in _chunks(rows):
+        stmt = _insert_ignore(session, Sample, "sample_id").returning(Sample.sample_id)
+        new.update(session.scalars(stmt, list(chunk)).all())
+    return new
+
+
+# Ids of samples stored under a cloud id because another agent's sample holds theirs.
+_COLLISION_NAMESPACE = uuid.UUID("6f1c2a52-3e0b-5d8e-9a41-0c7b2d1e5f63")
+
+
+def colliding_sample_id(fleet: str, agent: str, sample_id: str, attempt: int) -> str:
+    """The cloud id of ``sample_id`` from ``fleet/agent`` after ``attempt`` collisions.
+
+    Deterministic, so a redelivery finds the row its first delivery made.
+    """
+    return str(uuid.uuid5(_COLLISION_NAMESPACE, f"{fleet}/{agent}/{sample_id}/{attempt}"))
+
+
+# Cloud ids tried for a sample whose id other agents' samples hold, before giving up.
+COLLISION_ATTEMPTS = 4
+
+SampleKey = tuple[str, str, str]  # (fleet, agent, the agent's sample id)
+
+
+def store_samples(
+    *, session: Session, rows: Sequence[dict[str, Any]]
+) -> dict[SampleKey, tuple[str, bool]]:
+    """Store sample rows, unique per agent; return each one's (cloud id, whether new).
+
+    A row is stored under the agent's own id (``edge_sample_id``) unless another
+    agent's sample holds that id; then under ``colliding_sample_id``, a cloud id
+    derived from (fleet, agent, id), so a redelivery finds the same row. A row
+    missing from the result could not be given an id (every candidate was held).
+    """
+
+    def key(row: dict[str, Any]) -> SampleKey:
+        return (row["fleet"], row["agent_id"], row["edge_sample_id"])
+
+    pending: dict[SampleKey, dict[str, Any]] = {}
+    for row in rows:
+        pending.setdefault(key(row), {**row, "sample_id": row["edge_sample_id"]})
+    out: dict[SampleKey, tuple[str, bool]] = {}
+    for attempt in range(1, COLLISION_ATTEMPTS + 2):
+        if not pending:
+            break
+        batch = list(pending.values())
+        new = insert_samples(session=session, rows=batch)
+        claims: dict[str, int] = {}
+        for row in batch:
+            claims[row["sample_id"]] = claims.get(row["sample_id"], 0) + 1
+        unsure: list[dict[str, Any]] = []
+        for row in batch:
+            if row["sample_id"] in new and claims[row["sample_id"]] == 1:
+                out[key(row)] = (row["sample_id"], True)
+                del pending[key(row)]
+            else:
+                unsure.append(row)
+        if not unsure:
+            break
+        # Who holds each id now: this row's own earlier delivery, or another agent's sample.
+        holders = {
+            sample_id: (fleet, agent, edge_id or sample_id)
+            for sample_id, fleet, agent, edge_id in session.execute(
+                select(
+                    Sample.sample_id, Sample.fleet, Sample.agent_id, Sample.edge_sample_id
+                ).where(Sample.sample_id.in_({row["sample_id"] for row in unsure}))
+            )
+        }
+        for row in unsure:
+            holder = holders.get(row["sample_id"])
+            if holder == key(row):
+                out[key(row)] = (row["sample_id"], row["sample_id"] in new)
+                del pending[key(row)]
+            elif holder is not None:
+                row["sample_id"] = colliding_sample_id(*key(row), attempt)
+    return out
+
+
+def insert_dead_letters(*, session: Session, rows: Sequence[dict[str, Any]]) -> None:
+    if rows:
+        session.execute(insert(DeadLetter), list(rows))
+
+
+def record_agent_status(*, session: Session, status: AgentStatus) -> None:
+    """Upsert the agent row from its status (heartbeat or last will)."""
+    telemetry = status.model_dump(
+        mode="json", exclude={"schema_name", "v", "fleet", "agent", "state"}, exclude_none=True
+    )
+    agent = session.get(Agent, status.agent)
+    if agent is None:
+        agent = Agent(agent_id=status.agent, fleet=status.fleet, telemetry={})
+        session.add(agent)
+    elif agent.last_seen_at is not None and agent.last_seen_at > status.sent_at:
+        return  # an older status delivered late must not overwrite a newer one
+    agent.fleet = status.fleet
+    agent.state = status.state
+    agent.last_seen_at = status.sent_at
+    agent.telemetry = telemetry
+    if status.model_version is not None:
+        agent.model_version = status.model_version
+
+
+def record_model_status(*, session: Session, status: ModelStatus) -> None:
+    agent = session.get(Agent, status.agent)
+    if agent is None:
+        agent = Agent(agent_id=status.agent, fleet=status.fleet, telemetry={}, state="unknown")
+        session.add(agent)
+    agent.model_status = status.model_dump(mode="json", exclude={"schema_name", "v"})
+    # The history feeds rollout evaluation (refusals count as errors) and the registry API.
+    session.add(
+        ModelStatusEvent(
+            fleet=status.fleet,
+            agent_id=status.agent,
+            model_name=status.model_name,
+            model_version=status.model_version,
+            state=status.state,
+            reason=status.reason,
+            at=status.at,
+        )
+    )
+    if status.state in ("active", "rolled-back"):
+        agent.model_version = status.model_version
+
+
+def pending_samples(
+    *,
+    session: Session,
+    limit: int = 1000,
+    after: str = "",
+    received_before: datetime | None = None,
+) -> list[Sample]:
+    """Stored samples still waiting for a verdict, in id (capture time) order.
+
+    ``received_before`` leaves out samples stored since then: with several verifiers,
+    a recent pending sample is most likely in another verifier's batch right now.
+    """
+    stmt = select(Sample).where(Sample.status == "pending", Sample.sample_id > after)
+    if received_before is not None:
+        stmt = stmt.where(Sample.received_at < received_before)
+    stmt = stmt.order_by(Sample.sample_id).limit(limit)
+    return list(session.scalars(stmt).all())
+
+
+def insert_verdicts(*, session: Session, rows: Sequence[dict[str, Any]]) -> set[str]:
+    """Store verdicts (one per sample at most) and move their samples on; return new ids."""
+    new: set[str] = set()
+    if rows and session.get_bind().dialect.name == "postgresql":
+        new = _insert_ignore_unnest(session, Verdict, "sample_id", rows)
+    else:
+        for chunk in _chunks(rows):
+            stmt = _insert_ignore(session, Verdict, "sample_id").returning(Verdict.sample_id)
+            new.update(session.scalars(stmt, list(chunk)).all())
+    by_status: dict[tuple[str, datetime], list[str]] = {}
+    for row in rows:
+        if row["sample_id"] in new:
+            status = "flagged" if row["review"] else "verified"
+            by_status.setdefault((status, row["verified_at"]), []).append(row["sample_id"])
+    for (status, verified_at), ids in by_status.items():
+        session.execute(
+            update(Sample)
+            .where(Sample.sample_id.in_(ids), Sample.status == "pending")
+            .values(status=status, verified_at=verified_at)
+        )
+    return new
+
+
+def get_verdicts(*, session: Session, sample_ids: Sequence[str]) -> list[Verdict]:
+    if not sample_ids:
+        return []
+    return list(session.scalars(select(Verdict).where(Verdict.sample_id.in_(sample_ids))).all())

@@ -1,0 +1,178 @@
+"""The task seam: what a model answers, and everything that follows from it.
+
+A *task* (``docs/architecture.md``, "The task contract") decides, for every part of
+the loop, what is specific to the kind of answer a model gives:
+
+========================  ==============================================================
+model output              :meth:`Task.answers` turns a batch of raw outputs into answers
+routing signals           :meth:`Task.signals`: the numbers the edge's rules read
+message encoding          :meth:`Task.encode` / :meth:`Task.decode`: an answer's fields
+                          in a sample header and a verdict
+student vs teacher        :meth:`Task.compare`: agreement and the named differences
+review label              :attr:`Task.review_label`: what a human confirms or corrects
+gate metric               :attr:`Task.gate_metric` and :meth:`Task.score`
+training loss and head    ``distill.tasks`` (torch lives there, not here)
+export formats            :attr:`Task.export_formats`
+========================  ==============================================================
+
+Classification is the first implementation: an answer is a probability row, its
+label the arg-max, student and teacher agree when their labels are equal, the
+gate judges top-1 accuracy. Code outside a task asks the task; nothing else in the
+loop looks inside an answer. Contracts layer: numpy only, no runtime imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = [
+    "CLASSIFICATION",
+    "TASKS",
+    "Answer",
+    "ClassificationTask",
+    "Comparison",
+    "Signals",
+    "Task",
+    "task_for",
+]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One model's answer for one frame: its label index, confidence and full scores."""
+
+    label: int
+    confidence: float
+    scores: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Signals:
+    """What routing rules read, one entry per frame of a batch."""
+
+    predicted: list[int]
+    confidence: list[float]
+    margin: list[float]
+    entropy: list[float]  # nats
+
+    def __len__(self) -> int:
+        return len(self.predicted)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Student against teacher for one frame."""
+
+    agrees: bool
+    differences: tuple[str, ...] = field(default_factory=tuple)  # e.g. ("wrong_class",)
+
+
+@runtime_checkable
+class Task(Protocol):
+    """The contract every task implements (see the module docstring's table)."""
+
+    name: ClassVar[str]
+    gate_metric: ClassVar[str]
+    review_label: ClassVar[str]
+    routing_rules: ClassVar[tuple[str, ...]]
+    export_formats: ClassVar[tuple[str, ...]]
+
+    def answers(self, outputs: np.ndarray) -> list[Answer]: ...
+
+    def signals(self, outputs: np.ndarray) -> Signals: ...
+
+    def encode(self, answer: Answer) -> dict[str, Any]: ...
+
+    def decode(self, fields: Mapping[str, Any]) -> Answer: ...
+
+    def compare(self, student: Answer, teacher: Answer) -> Comparison: ...
+
+    def score(self, predicted: Sequence[Answer], truth: Sequence[int]) -> float: ...
+
+
+class ClassificationTask:
+    """One label per frame from a row of class probabilities."""
+
+    name: ClassVar[str] = "classification"
+    gate_metric: ClassVar[str] = "top1_accuracy"
+    review_label: ClassVar[str] = "class"
+    routing_rules: ClassVar[tuple[str, ...]] = (
+        "low_confidence",
+        "margin",
+        "entropy",
+        "class_threshold",
+    )
+    export_formats: ClassVar[tuple[str, ...]] = ("imagefolder", "csv", "label-studio")
+
+    @staticmethod
+    def _rows(outputs: np.ndarray) -> np.ndarray:
+        p = np.asarray(outputs, dtype=np.float64)
+        if p.ndim != 2 or p.shape[1] < 1:
+            raise ValueError(f"expected a [N, classes] batch of scores, got shape {p.shape}")
+        return p
+
+    def answers(self, outputs: np.ndarray) -> list[Answer]:
+        """The arg-max label and its probability for each row."""
+        p = self._rows(outputs)
+        labels = p.argmax(axis=1)
+        return [
+            Answer(int(label), float(row[label]), tuple(float(x) for x in row))
+            for label, row in zip(labels, p, strict=True)
+        ]
+
+    def signals(self, outputs: np.ndarray) -> Signals:
+        """Arg-max, its probability, the top-2 margin and the entropy of each row, at once."""
+        p = self._rows(outputs)
+        predicted = p.argmax(axis=1)
+        ordered = np.sort(p, axis=1)  # a few classes: cheaper than partition, same values
+        top = ordered[:, -1]
+        second = ordered[:, -2] if p.shape[1] > 1 else np.zeros(len(p))
+        entropy = -(p * np.log(np.minimum(np.maximum(p, 1e-12), 1.0))).sum(axis=1)
+        return Signals(predicted.tolist(), top.tolist(), (top - second).tolist(), entropy.tolist())
+
+    def encode(self, answer: Answer) -> dict[str, Any]:
+        """The answer's fields in a sample header or a verdict."""
+        return {"label": answer.label, "confidence": answer.confidence, "scores": answer.scores}
+
+    def decode(self, fields: Mapping[str, Any]) -> Answer:
+        """An answer from a message's fields (which the message schema has checked)."""
+        scores = tuple(float(x) for x in fields["scores"])
+        label = int(fields["label"])
+        if not 0 <= label < len(scores):
+            raise ValueError(f"label {label} is not an index into {len(scores)} scores")
+        confidence = fields.get("confidence")
+        return Answer(label, float(scores[label] if confidence is None else confidence), scores)
+
+    def compare(self, student: Answer, teacher: Answer) -> Comparison:
+        """They agree when their labels are equal."""
+        if student.label == teacher.label:
+            return Comparison(True)
+        return Comparison(False, ("wrong_class",))
+
+    def score(self, predicted: Sequence[Answer], truth: Sequence[int]) -> float:
+        """Top-1 accuracy (0.0 on no frames)."""
+        if len(predicted) != len(truth):
+            raise ValueError(f"{len(predicted)} answers for {len(truth)} labels")
+        if not truth:
+            return 0.0
+        return sum(a.label == int(t) for a, t in zip(predicted, truth, strict=True)) / len(truth)
+
+
+CLASSIFICATION = ClassificationTask()
+
+TASKS: Mapping[str, Task] = MappingProxyType({CLASSIFICATION.name: CLASSIFICATION})
+
+
+def task_for(name: str | None) -> Task:
+    """The task of a model or a fleet; ``None`` (a model from before tasks) is classification."""
+    if name is None:
+        return CLASSIFICATION
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; known: {', '.join(sorted(TASKS))}") from None
