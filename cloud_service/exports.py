@@ -49,6 +49,7 @@ from starlette.responses import StreamingResponse
 
 from cloud_service.blobs import BlobStore
 from shared.errors import ContractError, EdgeLoopError
+from shared.tasks import CLASSIFICATION
 
 __all__ = [
     "COLUMNS",
@@ -63,7 +64,7 @@ __all__ = [
     "write_export",
 ]
 
-FORMATS = ("csv", "json", "imagefolder", "zip", "coco", "yolo", "labelstudio")
+FORMATS = CLASSIFICATION.export_formats  # what the task can write (shared.tasks)
 COLUMNS = [
     "sample_id", "label", "class_name", "source", "labeled_by", "status", "agent_id", "fleet",
     "captured_at", "model_name", "model_version", "edge_label", "edge_class",

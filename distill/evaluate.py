@@ -22,6 +22,7 @@ from distill.export import INPUT_NAME, OUTPUT_NAME, read_onnx_info
 from distill.frames import FrameSet
 from distill.models import FramesModel, load_checkpoint
 from distill.speed import ort_session
+from distill.tasks import CLASSIFICATION_TRAINING, TrainingTask
 from shared.errors import DataError, ModelError
 
 __all__ = [
@@ -173,15 +174,20 @@ class EvalResult:
 
 
 def evaluate(
-    clf: Classifier, data: FrameSet, *, drift: Sequence[Drift] = (), seed: int = 0
+    clf: Classifier,
+    data: FrameSet,
+    *,
+    drift: Sequence[Drift] = (),
+    seed: int = 0,
+    task: TrainingTask = CLASSIFICATION_TRAINING,
 ) -> EvalResult:
-    """Top-1 accuracy (and per class) of ``clf`` on ``data``, optionally drifted."""
+    """The task's gate metric (top-1 accuracy for classification), overall and per class,
+    of ``clf`` on ``data``, optionally drifted."""
     if len(data) == 0:
         raise DataError("nothing to evaluate: the data set is empty")
     labels = align_labels(data, clf.class_names)
     frames = apply_drift(data, drift, seed=seed)
-    pred = predict_scores(clf, frames).argmax(axis=1)
-    hits = pred == labels
+    hits = task.hits(predict_scores(clf, frames), labels)
     per_class = {
         clf.class_names[c]: float(hits[labels == c].mean()) for c in np.unique(labels) if c >= 0
     }

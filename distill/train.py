@@ -25,7 +25,6 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -40,6 +39,7 @@ from torch import nn
 from distill.drift import apply_drift_frame, random_drift_spec
 from distill.frames import FrameSet
 from distill.models import ModelMeta, build_model, frames_to_input, save_checkpoint, torch_threads
+from distill.tasks import CLASSIFICATION_TRAINING, soften
 from shared.errors import DataError, ModelError
 
 __all__ = [
@@ -124,12 +124,6 @@ class TrainResult:
 # Pieces the loop uses
 
 
-def soften(probs: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Teacher probabilities -> the teacher's distribution at temperature T."""
-    logp = torch.log(probs.clamp_min(1e-8)) / temperature
-    return torch.softmax(logp, dim=1)
-
-
 def distillation_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -139,13 +133,15 @@ def distillation_loss(
     alpha: float,
     label_smoothing: float = 0.0,
 ) -> torch.Tensor:
-    """CE on hard labels; plus the T^2-scaled KL to the teacher when its scores are given."""
-    ce = F.cross_entropy(logits, labels, label_smoothing=label_smoothing)
-    if teacher_probs is None:
-        return ce
-    t = temperature
-    kl = F.kl_div(F.log_softmax(logits / t, dim=1), soften(teacher_probs, t), reduction="batchmean")
-    return alpha * t * t * kl + (1.0 - alpha) * ce
+    """The classification task's loss (``distill.tasks``)."""
+    return CLASSIFICATION_TRAINING.loss(
+        logits,
+        labels,
+        teacher_probs,
+        temperature=temperature,
+        alpha=alpha,
+        label_smoothing=label_smoothing,
+    )
 
 
 @torch.inference_mode()

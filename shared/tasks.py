@@ -107,7 +107,15 @@ class ClassificationTask:
         "entropy",
         "class_threshold",
     )
-    export_formats: ClassVar[tuple[str, ...]] = ("imagefolder", "csv", "label-studio")
+    export_formats: ClassVar[tuple[str, ...]] = (
+        "csv",
+        "json",
+        "imagefolder",
+        "zip",
+        "coco",
+        "yolo",
+        "labelstudio",
+    )
 
     @staticmethod
     def _rows(outputs: np.ndarray) -> np.ndarray:
