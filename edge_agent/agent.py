@@ -39,7 +39,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict
-from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -346,38 +345,6 @@ class Agent:
         """Decode and answer one uploaded JPEG/PNG (blocking)."""
         frame = self.decode_for_model(body)
         return self.submit_frame(frame, source=source).result(self.settings.infer_timeout_s)
-
-    def envelope(
-        self,
-        *,
-        sample_id: str,
-        image: bytes,
-        image_info: ImageInfo,
-        captured_at: datetime,
-        model_name: str,
-        model_version: str,
-        scores: list[float],
-        predicted: int,
-        confidence: float,
-        route_reason: str | None,
-        priority: int,
-        source: str,
-    ) -> bytes:
-        """The sample envelope this agent uploads for an image (raises ContractError)."""
-        return self.forwarding.envelope(
-            sample_id=sample_id,
-            image=image,
-            image_info=image_info,
-            captured_at=captured_at,
-            model_name=model_name,
-            model_version=model_version,
-            scores=scores,
-            predicted=predicted,
-            confidence=confidence,
-            route_reason=route_reason,
-            priority=priority,
-            source=source,
-        )
 
     def sample(self, sample_id: str) -> dict[str, Any] | None:
         """The answer and (when it has arrived) the teacher's verdict for a sample id."""

@@ -228,7 +228,7 @@ class Fleet:
             quality=s.upload_jpeg_quality,
             recompress=s.upload_recompress,
         )
-        envelope = agent.envelope(
+        envelope = agent.forwarding.envelope(
             sample_id=result.sample_id,
             image=image,
             image_info=info,

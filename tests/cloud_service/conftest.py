@@ -2,29 +2,24 @@
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
-from PIL import Image
 
 from cloud_service.demo_teacher import build_demo_teacher
 from cloud_service.settings import CloudSettings
 from shared.envelope import encode_envelope
-from shared.ids import new_sample_id
 from shared.messages import SampleHeader
 from shared.mqtt import make_client
 from shared.topics import Topics
+from simulations.samples import CLASSES, SIZE, image_bytes
+from simulations.samples import sample_header as make_header
 
-CLASSES = 10
-SIZE = 32
 SAFETY_NET_S = 30.0  # how long a wait on the broker may take before the test gives up
 
 
@@ -61,49 +56,6 @@ def wait_until(predicate: Callable[[], Any], timeout: float, step: float = 0.05)
             return True
         time.sleep(step)
     return bool(predicate())
-
-
-def image_bytes(size: int = SIZE, fmt: str = "JPEG", seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed)
-    pixels = rng.integers(0, 255, (size, size, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format=fmt)
-    return buffer.getvalue()
-
-
-def make_header(
-    image: bytes,
-    *,
-    fleet: str = "fleet-a",
-    agent: str = "cam-1",
-    sample_id: str | None = None,
-    size: int = SIZE,
-    fmt: str = "jpeg",
-    priority: int = 5,
-    predicted: int = 0,
-    confidence: float = 0.4,
-    captured_at: datetime | None = None,
-) -> SampleHeader:
-    scores = [0.0] * CLASSES
-    scores[predicted] = confidence
-    scores[(predicted + 1) % CLASSES] = 1 - confidence
-    return SampleHeader(
-        sample_id=sample_id or new_sample_id(),
-        fleet=fleet,
-        agent=agent,
-        captured_at=captured_at or datetime.now(UTC),
-        model_name="student",
-        model_version="s-1",
-        scores=scores,
-        predicted=predicted,
-        confidence=confidence,
-        route_reason="low_confidence",
-        priority=priority,
-        image_format=fmt,
-        image_width=size,
-        image_height=size,
-        image_bytes=len(image),
-    )
 
 
 def make_envelope(**kwargs: Any) -> tuple[SampleHeader, bytes]:
