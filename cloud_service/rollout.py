@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import statistics
-import threading
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -54,6 +53,7 @@ from cloud_service.db.models import (
 )
 from cloud_service.errors import ConflictError, NotFoundError
 from shared.errors import ContractError, EdgeLoopError
+from shared.lifecycle import Workers
 from shared.manifest import FleetSigningKey
 from shared.topics import Topics, validate_id
 
@@ -409,7 +409,7 @@ def get_rollout(*, session: Session, rollout_id: int) -> tuple[Rollout, list[Rol
 
 
 class RolloutLoop:
-    """The API process's ``rollout-loop`` thread: ``tick`` every ``interval_s``."""
+    """The API process's ``rollout-tick`` thread: ``tick`` every ``interval_s``."""
 
     def __init__(
         self,
@@ -421,40 +421,38 @@ class RolloutLoop:
         self.state = state
         self.interval_s = interval_s
         self.ttl = ttl
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.workers = Workers("rollout")
 
     def start(self) -> RolloutLoop:
-        self._thread = threading.Thread(target=self._run, name="rollout-loop", daemon=True)
-        self._thread.start()
+        self.workers.spawn("tick", self._tick, every=self.interval_s, wait_first=True)
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self.workers.stop(timeout)
 
-    def _run(self) -> None:
-        while not self._stopping.wait(self.interval_s):
-            try:
-                with self.state.sessions.begin() as session:
-                    self._refresh(session)
-                    running = session.scalars(
-                        select(Rollout.id).where(Rollout.state == "running")
-                    ).first()
-                    if running is None:
-                        continue  # nothing to do; no broker connection needed
-                    tick(
-                        session=session,
-                        announcer=self.state.get_announcer(),
-                        topics=self.state.settings.topics,
-                        key=self.state.signing_key,
-                        ttl=self.ttl,
-                    )
-            except EdgeLoopError as exc:
-                log.warning("rollout evaluation failed (retrying next tick): %s", exc)
-            except SQLAlchemyError as exc:
-                log.warning("rollout evaluation failed on the database: %s", exc)
+    def health(self) -> dict[str, object]:
+        return {"alive": self.workers.alive}
+
+    def _tick(self) -> None:
+        try:
+            with self.state.sessions.begin() as session:
+                self._refresh(session)
+                running = session.scalars(
+                    select(Rollout.id).where(Rollout.state == "running")
+                ).first()
+                if running is None:
+                    return  # nothing to do; no broker connection needed
+                tick(
+                    session=session,
+                    announcer=self.state.get_announcer(),
+                    topics=self.state.settings.topics,
+                    key=self.state.signing_key,
+                    ttl=self.ttl,
+                )
+        except EdgeLoopError as exc:
+            log.warning("rollout evaluation failed (retrying next tick): %s", exc)
+        except SQLAlchemyError as exc:
+            log.warning("rollout evaluation failed on the database: %s", exc)
 
     def _refresh(self, session: Session) -> None:
         """Sign again the retained announcements past half their lifetime (a cheap query)."""

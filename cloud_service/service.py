@@ -38,6 +38,7 @@ from cloud_service.worker import VerifierWorker
 from shared.console import configure_logging
 from shared.errors import ConfigError
 from shared.http_limits import server_config
+from shared.lifecycle import Workers
 from shared.mqtt import negotiate_protocol
 
 __all__ = [
@@ -126,12 +127,19 @@ class DistillSupervisor:
     def __init__(self, settings: CloudSettings) -> None:
         self.settings = settings
         self._context = multiprocessing.get_context("spawn")
-        self._stop = threading.Event()
+        self.workers = Workers("distill")
+        self._stop = self.workers.stopping
         self._process: SpawnProcess | None = None
-        self._thread = threading.Thread(target=self._watch, name="distill-supervisor", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        self.workers.spawn("supervisor", self._watch)
+
+    def health(self) -> dict[str, object]:
+        process = self._process
+        return {
+            "alive": self.workers.alive,
+            "worker_pid": process.pid if process is not None and process.is_alive() else None,
+        }
 
     def _launch(self) -> SpawnProcess:
         process = self._context.Process(
@@ -161,8 +169,7 @@ class DistillSupervisor:
             self._stop.wait(backoff_s)
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self.workers.stop(timeout=5)
         if self._process is not None:
             _stop_all([self._process])
 

@@ -74,12 +74,18 @@ class Workers:
         body: Callable[[], object],
         *,
         every: float | None = None,
+        wait_first: bool = False,
     ) -> threading.Thread:
-        """Start ``body`` on a thread named ``{owner}-{name}``."""
+        """Start ``body`` on a thread named ``{owner}-{name}`` (with ``every``: the first
+        call after one interval when ``wait_first``, else at once)."""
         if self.stopping.is_set():
             raise RuntimeError(f"{self.owner}: cannot start {name!r} while stopping")
         health = WorkerHealth(alive=True)
-        target = self._loop(body, every, health) if every is not None else self._once(body, health)
+        target = (
+            self._loop(body, every, health, wait_first)
+            if every is not None
+            else self._once(body, health)
+        )
         thread = threading.Thread(target=target, name=f"{self.owner}-{name}", daemon=True)
         with self._lock:
             self._workers.append(_Worker(name, thread, health))
@@ -101,10 +107,12 @@ class Workers:
         return target
 
     def _loop(
-        self, body: Callable[[], object], every: float, health: WorkerHealth
+        self, body: Callable[[], object], every: float, health: WorkerHealth, wait_first: bool
     ) -> Callable[[], None]:
         def target() -> None:
             try:
+                if wait_first and self.stopping.wait(every):
+                    return
                 while not self.stopping.is_set():
                     try:
                         body()

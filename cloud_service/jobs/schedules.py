@@ -30,7 +30,6 @@ schedule is claimed by a conditional ``UPDATE`` on its ``next_run_at`` / ``last_
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -44,6 +43,7 @@ from cloud_service.errors import ConflictError, NotFoundError
 from cloud_service.jobs import queue as jobs
 from cloud_service.jobs.tables import SCHEDULE_KINDS, DistillJob, Schedule
 from shared.errors import ContractError
+from shared.lifecycle import Workers
 
 __all__ = [
     "CronExpr",
@@ -460,29 +460,27 @@ def tick(*, session: Session, now: datetime | None = None) -> list[int]:
 
 
 class SchedulerLoop:
-    """``tick`` every ``interval_s`` in a daemon thread (the API process runs one)."""
+    """``tick`` every ``interval_s`` on the ``scheduler-tick`` thread (the API process runs one)."""
 
     def __init__(self, sessions: Callable[[], Any], interval_s: float) -> None:
         self.sessions = sessions
         self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.workers = Workers("scheduler")
         self.fired: list[int] = []
 
     def start(self) -> SchedulerLoop:
-        self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
-        self._thread.start()
+        self.workers.spawn("tick", self._tick, every=self.interval_s, wait_first=True)
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self.workers.stop(timeout)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                with self.sessions.begin() as session:  # type: ignore[attr-defined]
-                    self.fired.extend(tick(session=session))
-            except Exception as exc:  # a database hiccup: try again next tick
-                log.warning("scheduler tick failed: %s", exc)
+    def health(self) -> dict[str, object]:
+        return {"alive": self.workers.alive, "fired": len(self.fired)}
+
+    def _tick(self) -> None:
+        try:
+            with self.sessions.begin() as session:  # type: ignore[attr-defined]
+                self.fired.extend(tick(session=session))
+        except Exception as exc:  # a database hiccup: try again next tick
+            log.warning("scheduler tick failed: %s", exc)

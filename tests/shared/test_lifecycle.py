@@ -82,3 +82,11 @@ def test_workers_is_not_itself_a_lifecycle_but_parts_are() -> None:
             return {}
 
     assert isinstance(Part(), Lifecycle)
+
+
+def test_wait_first_defers_the_first_call_by_one_interval() -> None:
+    workers = Workers("unit")
+    calls: list[int] = []
+    workers.spawn("late", lambda: calls.append(1), every=3600.0, wait_first=True)
+    assert workers.stop() == []  # stopped during the first wait: never called
+    assert calls == []
