@@ -50,6 +50,7 @@ from cloud_service.settings import CloudSettings
 from cloud_service.web.state import load_signing_key
 from distill.cache import reference_model_path
 from shared.errors import EdgeLoopError
+from shared.lifecycle import Workers
 
 __all__ = [
     "DistillWorker",
@@ -209,16 +210,12 @@ class DistillWorker:
             stopping=self.stopping,
         )
         self.current = ctx
-        beat_stop = threading.Event()
-        beat = threading.Thread(
-            target=self._heartbeat, args=(ctx, beat_stop), name=f"lease-{job_id}", daemon=True
-        )
-        beat.start()
+        beat = Workers(f"job-{job_id}")  # the lease renewal: thread job-{id}-lease
+        beat.spawn("lease", lambda: self._heartbeat(ctx, beat.stopping))
         try:
             state = self._run(ctx)
         finally:
-            beat_stop.set()
-            beat.join(timeout=10)
+            beat.stop(timeout=10)
             self.current = None
         self.finished.append((job_id, state))
         return job_id
