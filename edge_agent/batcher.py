@@ -28,6 +28,7 @@ import numpy as np
 
 from edge_agent.engine import Engine
 from shared.errors import EdgeLoopError, ModelError
+from shared.lifecycle import Workers
 
 __all__ = ["BatchHandler", "BatchResult", "JobBatch", "MicroBatcher", "WorkerPool"]
 
@@ -178,8 +179,8 @@ class MicroBatcher:
         # Bounded: a source that outruns inference is told so (queue.Full) instead of
         # growing memory; cameras keep only their newest frame anyway.
         self._queue = _FrameQueue(max_queue, clock)
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
+        self.workers = Workers("inference")  # thread inference-loop
+        self._stopping = self.workers.stopping
         self.batches = 0
         self.frames = 0
 
@@ -192,15 +193,16 @@ class MicroBatcher:
         self._engine = engine
 
     def start(self) -> MicroBatcher:
-        self._thread = threading.Thread(target=self._loop, name="inference-loop", daemon=True)
-        self._thread.start()
+        self.workers.spawn("loop", self._loop)
         return self
+
+    def health(self) -> dict[str, object]:
+        return {"alive": self.workers.alive, "pending": self.pending}
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping.set()
         self._queue.close()  # wakes the loop
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self.workers.stop(timeout)
         # Anything still queued is answered, not left hanging.
         left = self._queue.take_all()
         if left:
@@ -319,12 +321,10 @@ class WorkerPool:
             queue.SimpleQueue()
         )
         self._closed = False
-        self._threads = [
-            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-            for i in range(workers)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._size = workers
+        self.workers = Workers(name)  # threads {name}-0 .. {name}-{workers - 1}
+        for i in range(workers):
+            self.workers.spawn(str(i), self._work)
 
     def submit(self, fn: Callable[..., object], *args: Any) -> None:
         """Run ``fn(*args)`` on a pool thread; RuntimeError once the pool is shut down."""
@@ -337,11 +337,10 @@ class WorkerPool:
         if self._closed:
             return
         self._closed = True
-        for _ in self._threads:
+        for _ in range(self._size):
             self._jobs.put(None)
         if wait:
-            for thread in self._threads:
-                thread.join(timeout)
+            self.workers.stop(timeout)
 
     def _work(self) -> None:
         while True:

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Protocol
 
 from shared.errors import StoreError
+from shared.lifecycle import Workers
 
 log = logging.getLogger(__name__)
 
@@ -413,12 +414,12 @@ class SpoolWriter:
         self._cond = threading.Condition()
         self._queue: list[tuple[NewSample, StoredCallback]] = []
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="spool-writer", daemon=True)
+        self.workers = Workers("spool")  # thread spool-writer
         self.commits = 0
         self.samples = 0
 
     def start(self) -> SpoolWriter:
-        self._thread.start()
+        self.workers.spawn("writer", self._run)
         return self
 
     def submit(self, sample: NewSample, done: StoredCallback) -> None:
@@ -441,8 +442,7 @@ class SpoolWriter:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        self.workers.stop(timeout)
         with self._cond:
             left, self._queue = self._queue, []
         self._store(left)
