@@ -40,6 +40,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from shared.errors import ConfigError, EdgeLoopError, SignatureError
 from shared.ids import UtcDatetime
+from shared.tasks import task_for
 from shared.topics import validate_id
 
 __all__ = [
@@ -253,6 +254,11 @@ class ModelManifest(BaseModel):
     expires_at: UtcDatetime | None = None
     fleet: FleetName | None = None
     agent: AgentName | None = None
+    # What the model answers (shared.tasks); None is classification, left out of the
+    # canonical bytes so manifests from before tasks verify as before.
+    task: (
+        Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_-]*$")] | None
+    ) = None
 
     @model_validator(mode="after")
     def _check(self) -> ModelManifest:
@@ -289,15 +295,31 @@ def version_tuple(text: str) -> tuple[int, ...]:
 
 
 def agent_refusal(
-    manifest: ModelManifest, *, input_hw: tuple[int, int], max_opset: int, runtime_version: str
+    manifest: ModelManifest,
+    *,
+    input_hw: tuple[int, int],
+    max_opset: int,
+    runtime_version: str,
+    task: str | None = None,
 ) -> tuple[str, str] | None:
     """Why an agent would refuse ``manifest``, as (reason slug, message); None if it would not.
 
     The agent feeds uint8 NHWC frames of ``input_hw`` (its serving model's size) and runs
     onnxruntime ``runtime_version``, which runs ai.onnx opsets up to ``max_opset``. The
     agent applies this before it downloads; the registry applies it to the agents'
-    heartbeats before it accepts or announces a version.
+    heartbeats before it accepts or announces a version. ``task`` is the serving model's
+    task, when known: a model of another task (or of one this code does not know) is
+    refused before anything is fetched.
     """
+    try:
+        offered = task_for(manifest.task).name
+    except ValueError as exc:
+        return ("unsupported_task", str(exc))
+    if task is not None and offered != task_for(task).name:
+        return (
+            "incompatible_task",
+            f"model answers the {offered} task; the agent serves a {task_for(task).name} model",
+        )
     if manifest.opset > max_opset:
         return (
             "incompatible_opset",

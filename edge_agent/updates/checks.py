@@ -121,15 +121,20 @@ def check_fresh(
 
 
 def check_compatible(
-    settings: AgentSettings, manifest: ModelManifest, input_hw: tuple[int, int]
+    settings: AgentSettings,
+    manifest: ModelManifest,
+    input_hw: tuple[int, int],
+    task: str | None = None,
 ) -> None:
-    """Refuse a model this agent cannot serve in place of one taking ``input_hw`` frames."""
+    """Refuse a model this agent cannot serve in place of one taking ``input_hw`` frames
+    and answering ``task``."""
     # The same check the registry runs on this agent's heartbeat before it announces.
     refusal = agent_refusal(
         manifest,
         input_hw=input_hw,
         max_opset=settings.max_model_opset or max_supported_opset(),
         runtime_version=runtime_version(),
+        task=task,
     )
     if refusal is not None:
         raise UpdateRefused(*refusal)

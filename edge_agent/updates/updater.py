@@ -214,7 +214,10 @@ class ModelUpdater:
                 return {"result": "declined", "version": version}
             if (name, version, manifest.sha256) in self._refused:
                 return {"result": "refused-before", "version": version}
-            check_compatible(self.settings, manifest, self._current().input_hw)
+            serving = self._current()
+            check_compatible(
+                self.settings, manifest, serving.input_hw, getattr(serving, "task", None)
+            )
             path = self._fetcher.fetch(manifest)
             self._status(name, version, "downloaded")
             engine = load_and_check(

@@ -33,6 +33,7 @@ from shared.manifest import (
     GoldenCase,
     InputSpec,
     ModelManifest,
+    agent_refusal,
     canonical_json,
     canonical_manifest_bytes,
     key_id_for,
@@ -476,3 +477,23 @@ def test_garbage_announcements_only_raise_contract_errors(
 ) -> None:
     with pytest.raises(ContractError):
         verify_manifest_bytes(data, key.public_key_b64)
+
+
+def test_a_manifest_names_its_task_and_an_agent_refuses_another_or_an_unknown_one() -> None:
+    def refusal(manifest: ModelManifest, task: str | None) -> str | None:
+        found = agent_refusal(
+            manifest, input_hw=(2, 2), max_opset=21, runtime_version="1.20.0", task=task
+        )
+        return None if found is None else found[0]
+
+    plain = small_manifest(input={**manifest_fields()["input"], "name": "frames"})
+    assert plain.task is None  # a manifest from before tasks: its bytes leave it out
+    assert b'"task"' not in canonical_manifest_bytes(plain)
+    assert refusal(plain, None) is None
+    assert refusal(plain, "classification") is None
+    detector = plain.model_copy(update={"task": "detection"})
+    assert refusal(detector, "classification") == "unsupported_task"  # unknown here
+    classifier = plain.model_copy(update={"task": "classification"})
+    assert refusal(classifier, "classification") is None
+    with pytest.raises(ValidationError):
+        small_manifest(task="Not A Task!")
