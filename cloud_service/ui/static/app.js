@@ -260,6 +260,12 @@ var EdgeLoop = (function () {
     var job = JSON.parse(document.getElementById("job-data").textContent);
     var last = job.logs.length ? job.logs[job.logs.length - 1].id : 0;
     var done = ["succeeded", "failed", "cancelled"];
+    // The server drew these tables; draw them again only when they change, so a
+    // poll never replaces what the reader is looking at with the same thing.
+    function metricsKey(tables) {  // independent of the JSON's key order
+      return JSON.stringify((tables || []).map(function (t) { return [t.title, t.columns, t.rows]; }));
+    }
+    var drawnMetrics = metricsKey(job.metric_tables);
     function draw(j) {
       var state = document.getElementById("job-state");
       state.textContent = j.state + (j.cancel_requested && j.state === "running" ? " (cancel requested)" : "");
@@ -269,7 +275,10 @@ var EdgeLoop = (function () {
       document.getElementById("job-phase").textContent = j.phase || "—";
       document.getElementById("job-eta").textContent = j.eta_s === null ? "—" : Math.round(j.eta_s);
       document.getElementById("job-result").textContent = j.result_version || "—";
-      if (j.metric_tables) drawMetrics(j.metric_tables);
+      if (j.metric_tables && metricsKey(j.metric_tables) !== drawnMetrics) {
+        drawMetrics(j.metric_tables);
+        drawnMetrics = metricsKey(j.metric_tables);
+      }
       var waiting = document.getElementById("job-waiting");
       waiting.textContent = j.waiting || "";
       waiting.hidden = !j.waiting;
