@@ -29,7 +29,7 @@ from shared.topics import Topics
 from simulations.samples import image_bytes, progressive_jpeg, sample_header, scan_bomb
 
 
-def _manifest_fields() -> dict[str, Any]:
+def manifest_fields() -> dict[str, Any]:
     """A valid manifest of a small student (2x2 RGB input, three labels, one golden case)."""
     return {
         "name": "resnet18-student",
@@ -72,7 +72,7 @@ _IMAGE = image_bytes(32)
 _PNG = image_bytes(32, fmt="PNG", seed=3)
 VALID_ENVELOPE = encode_envelope(sample_header(_IMAGE), _IMAGE)
 KEY = FleetSigningKey.generate()
-VALID_ANNOUNCEMENT = encode_message(sign_manifest(ModelManifest(**_manifest_fields()), KEY))
+VALID_ANNOUNCEMENT = encode_message(sign_manifest(ModelManifest(**manifest_fields()), KEY))
 
 
 @st.composite

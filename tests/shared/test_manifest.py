@@ -48,44 +48,9 @@ from shared.messages import (
     verify_announcement,
     verify_manifest_bytes,
 )
+from simulations.fuzz_targets import manifest_fields
 
 GOLDEN_INPUT = bytes(range(12))  # one 2x2 RGB frame
-
-
-def manifest_fields() -> dict[str, Any]:
-    return {
-        "name": "resnet18-student",
-        "version": "1.4.0",
-        "format": "int8",
-        "sha256": hashlib.sha256(b"model").hexdigest(),
-        "size_bytes": 11_534_336,
-        "url": "https://cloud.example/models/resnet18-student/1.4.0/model.onnx",
-        "input": {
-            "name": "images",
-            "shape": ["batch", 2, 2, 3],
-            "dtype": "uint8",
-            "layout": "NHWC",
-            "color": "RGB",
-            "mean": [0.485, 0.456, 0.406],
-            "std": [0.229, 0.224, 0.225],
-            "scale": 1 / 255,
-        },
-        "output_name": "scores",
-        "labels": ["cat", "dog", "café"],
-        "opset": 17,
-        "min_runtime_version": "1.18.0",
-        "golden": [
-            {
-                "input": base64.b64encode(GOLDEN_INPUT).decode(),
-                "shape": [1, 2, 2, 3],
-                "expected": [[0.1, 0.2, 0.7]],
-                "atol": 0.001,
-            }
-        ],
-        "created_at": datetime(2025, 6, 1, 12, 0, tzinfo=UTC),
-        "parent_version": "1.3.2",
-        "metrics": {"top1": 0.912, "agreement": 0.95},
-    }
 
 
 def small_manifest(**overrides: Any) -> ModelManifest:
