@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
@@ -47,6 +47,7 @@ class RunResult:
     skipped: int
     duration_s: float
     returncode: int
+    failing_tests: list[str] = field(default_factory=list)
     output_tail: str = ""
 
     @property
@@ -113,6 +114,19 @@ def _counts_from_junit(path: Path) -> dict[str, int] | None:
     }
 
 
+def _failures_from_junit(path: Path) -> list[str]:
+    """``module.Class::test`` of each failed or erroring test case in the JUnit report."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return []
+    return [
+        f"{case.get('classname', '')}::{case.get('name', '')}"
+        for case in root.iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
+
+
 def run_pytest(index: int, paths: list[str], extra: list[str], folder: Path) -> RunResult:
     """One ``pytest -p no:cacheprovider -q`` run over ``paths``."""
     report = folder / f"run-{index}.xml"
@@ -123,6 +137,7 @@ def run_pytest(index: int, paths: list[str], extra: list[str], folder: Path) -> 
         "-p",
         "no:cacheprovider",
         "-q",
+        "-rfE",
         f"--junitxml={report}",
         *paths,
         *extra,
@@ -144,6 +159,7 @@ def run_pytest(index: int, paths: list[str], extra: list[str], folder: Path) -> 
         run=index,
         duration_s=round(duration, 2),
         returncode=completed.returncode,
+        failing_tests=_failures_from_junit(report),
         output_tail="" if completed.returncode == 0 else output[-OUTPUT_KEPT:],
         **counts,
     )
@@ -184,6 +200,24 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     results: list[RunResult] = []
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
+
+    def write(interrupted: bool, finished: bool) -> dict[str, object]:
+        summary = {
+            "started_at": started_at,
+            "paths": args.paths,
+            "pytest_args": ["-p", "no:cacheprovider", "-q", "-rfE", *extra],
+            "busy_processes": args.busy,
+            "cpus": os.cpu_count(),
+            "runs_requested": args.runs,
+            "interrupted": interrupted,
+            "finished": finished,
+            "all_passed": finished and bool(results) and all(r.ok for r in results),
+            "runs": [asdict(r) for r in results],
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
     busy = start_busy_loops(args.busy)
     interrupted = False
     try:
@@ -191,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             for index in range(1, args.runs + 1):
                 result = run_pytest(index, args.paths, extra, Path(folder))
                 results.append(result)
+                write(interrupted=False, finished=False)  # a run cut short keeps what ended
                 print(
                     f"run {index}/{args.runs}: {result.passed} passed, {result.failed} failed,"
                     f" {result.errors} errors, {result.skipped} skipped"
@@ -203,19 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_busy_loops(busy)
 
-    summary = {
-        "started_at": started_at,
-        "paths": args.paths,
-        "pytest_args": ["-p", "no:cacheprovider", "-q", *extra],
-        "busy_processes": args.busy,
-        "cpus": os.cpu_count(),
-        "runs_requested": args.runs,
-        "interrupted": interrupted,
-        "all_passed": bool(results) and all(r.ok for r in results) and not interrupted,
-        "runs": [asdict(r) for r in results],
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    summary = write(interrupted=interrupted, finished=not interrupted)
     print()
     print(table(results))
     print(f"\nbusy loops: {args.busy}; results in {args.out}")
