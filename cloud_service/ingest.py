@@ -31,6 +31,7 @@ from shared.envelope import EnvelopeLimits, decode_envelope
 from shared.errors import ContractError, EdgeLoopError, StoreError
 from shared.images import check_jpeg_scans
 from shared.messages import AgentStatus, ModelStatus, SampleHeader, decode_message
+from shared.tasks import Answer, Task
 from shared.topics import TopicRef, Topics
 
 __all__ = [
@@ -62,8 +63,7 @@ class SampleTask:
     fleet: str
     agent: str
     captured_at: datetime
-    edge_predicted: int
-    edge_confidence: float
+    edge: Answer  # the student's answer, as its sample header carried it
     priority: int
     pixels: np.ndarray = field(repr=False)
     # The id the agent gave the sample, where the cloud stores it under another
@@ -86,16 +86,18 @@ class IngestSample:
         h = self.header
         return sample_image_key(h.fleet, h.agent, h.sample_id, h.image_format)
 
-    def task(self, cloud_id: str | None = None) -> SampleTask:
-        """The teacher's task; ``cloud_id`` is the id the sample is stored under."""
+    def task(self, answers: Task, cloud_id: str | None = None) -> SampleTask:
+        """The teacher's work on this sample; ``cloud_id`` is the id it is stored under.
+
+        ``answers`` is the served task: it reads the student's answer off the header.
+        """
         h = self.header
         return SampleTask(
             sample_id=cloud_id or h.sample_id,
             fleet=h.fleet,
             agent=h.agent,
             captured_at=h.captured_at,
-            edge_predicted=h.predicted,
-            edge_confidence=h.confidence,
+            edge=answers.sample_answer(h),
             priority=h.priority,
             pixels=self.pixels,
             edge_sample_id=h.sample_id if cloud_id and cloud_id != h.sample_id else None,

@@ -166,7 +166,7 @@ class VerdictStage:
         # the likeliest mistakes. The batch's results reach the verdict thread from
         # _run_batch, all at once; the future stays the batcher's.
         level = self.batcher.config.priority_levels - 1 - task.priority
-        return task.pixels.shape, level, task.edge_confidence
+        return task.pixels.shape, level, task.edge.confidence
 
     # --- teacher -------------------------------------------------------------
 
@@ -257,12 +257,9 @@ class VerdictStage:
             self.publish(verdict)
 
     def _make_verdict(self, task: SampleTask, result: TeacherScore, now: datetime) -> Verdict:
+        teacher = Answer(result.label, result.confidence, tuple(result.scores.tolist()))
+        agrees = self.task.compare(task.edge, teacher).agrees
         confidence = min(max(result.confidence, 0.0), 1.0)
-        scores = result.scores.tolist()
-        agrees = self.task.compare(
-            Answer(task.edge_predicted, task.edge_confidence, ()),
-            Answer(result.label, confidence, tuple(scores)),
-        ).agrees
         reasons = self.rules.reasons(
             sample_id=task.sample_id, teacher_confidence=confidence, agrees_with_edge=agrees
         )
@@ -273,9 +270,7 @@ class VerdictStage:
             agent=task.agent,
             teacher_model=info.name,
             teacher_version=info.version,
-            scores=scores,
-            label=result.label,
-            confidence=confidence,
+            **self.task.verdict_fields(teacher),
             agrees_with_edge=agrees,
             review=bool(reasons),
             review_reasons=reasons,

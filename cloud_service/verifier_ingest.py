@@ -233,7 +233,7 @@ class IngestStage:
         for sample in samples:
             cloud_id, new = stored[_key(sample)]
             if new and cloud_id not in fresh:
-                fresh[cloud_id] = sample.task(cloud_id)
+                fresh[cloud_id] = sample.task(self.verdicts.task, cloud_id)
         self.verdicts.submit_many(list(fresh.values()))
         self.metrics.queue_depth.set(self.verdicts.batcher.depth)
 

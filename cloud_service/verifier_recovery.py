@@ -38,6 +38,7 @@ from cloud_service.verifier import decode_image
 from shared.decode_pool import DecodePool
 from shared.errors import EdgeLoopError
 from shared.lifecycle import Workers
+from shared.tasks import Answer
 from shared.topics import TopicRef, Topics
 
 __all__ = ["MalformedGuard", "Recovery"]
@@ -262,8 +263,9 @@ class Recovery:
                         fleet=row.fleet,
                         agent=row.agent_id,
                         captured_at=row.captured_at,
-                        edge_predicted=row.edge_predicted,
-                        edge_confidence=row.edge_confidence,
+                        edge=Answer(
+                            row.edge_predicted, row.edge_confidence, tuple(row.edge_scores)
+                        ),
                         priority=row.priority,
                         pixels=pixels,
                         edge_sample_id=(

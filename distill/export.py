@@ -8,7 +8,8 @@ The exported contract (every EdgeLoop model, FP32 or INT8):
 - output ``scores``: float32 ``[batch, classes]``, **probabilities** (softmax inside the
   graph, rows sum to 1). Routing on the edge reads confidence and margin straight off
   them; distillation recovers tempered teacher distributions from them exactly.
-- ``metadata_props``: ``edgeloop.labels`` (JSON list, index = class id), ``edgeloop.name``,
+- ``metadata_props``: ``edgeloop.task`` (``classification``: ``shared.tasks``),
+  ``edgeloop.labels`` (JSON list, index = class id), ``edgeloop.name``,
   ``edgeloop.version``, ``edgeloop.frame_size``, ``edgeloop.precision`` (fp32 / int8),
   ``edgeloop.scores`` (``probabilities``), input layout and normalisation constants.
 
@@ -40,6 +41,7 @@ from torch import nn
 from distill._io import atomic_path
 from distill.models import INPUT_SCALE, INPUT_ZERO_POINT, FramesModel, fuse_conv_bn
 from shared.errors import ModelError
+from shared.tasks import CLASSIFICATION
 
 __all__ = [
     "INPUT_NAME",
@@ -226,6 +228,7 @@ def export_onnx(
         write_metadata(
             model,
             {
+                "task": CLASSIFICATION.name,
                 "name": name,
                 "version": version,
                 "labels": json.dumps(list(class_names)),

@@ -30,6 +30,7 @@ def gate(
     int8_tolerance: float,
     sizes: Mapping[str, int] | None = None,
     max_drift_drop: float | None = None,
+    metric: str = "top1_accuracy",
 ) -> GateDecision:
     """The release rule. ``evaluation[model][dataset]`` = accuracy; models new_fp32,
     new_int8, serving; datasets holdout and (when there is a reference set) reference.
@@ -43,6 +44,9 @@ def gate(
     ``max_drift_drop`` also holds the new INT8 to the serving student on every
     ``drift:...`` dataset: a round that fits the recent frames but falls on unseen
     scans under the very drift it answers is refused.
+
+    ``metric`` names the figure compared (the task's gate metric); it is recorded in
+    the checks beside the numbers.
     """
     new, fp32, old = evaluation["new_int8"], evaluation["new_fp32"], evaluation["serving"]
     gain = new["holdout"] - old["holdout"]
@@ -80,6 +84,7 @@ def gate(
             f" {gaps[worst]:.3f} on {worst} as measured)"
         )
     checks = {
+        "metric": metric,
         "holdout_gain": round(gain, 4),
         "reference_drop": round(ref_drop, 4) if has_reference else None,
         "int8_gap": round(int8_gap, 4),

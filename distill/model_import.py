@@ -48,6 +48,7 @@ from distill.export import INPUT_NAME, OUTPUT_NAME, SCORES_KIND, write_metadata
 from shared.errors import DataError, ModelError
 from shared.manifest import InputSpec, ModelCard, ModelSource
 from shared.onnx_support import max_supported_opset
+from shared.tasks import CLASSIFICATION
 from shared.topics import validate_id
 
 __all__ = [
@@ -490,6 +491,7 @@ def import_onnx(source: Path, spec: ImportSpec, *, out: Path) -> ImportResult:
     write_metadata(
         merged,
         {
+            "task": CLASSIFICATION.name,  # scores out, after the classification head
             "name": name,
             "version": version,
             "role": spec.role,

@@ -19,6 +19,7 @@ from distill.frames import FrameSet
 from distill.models import ModelMeta, save_checkpoint
 from distill.quantize import quantize_onnx
 from distill.train import TrainResult
+from shared.tasks import CLASSIFICATION
 
 __all__ = [
     "Evaluation",
@@ -122,10 +123,14 @@ def write_checkpoint(
 
 @dataclass(frozen=True)
 class Evaluation:
-    """``accuracy[model][dataset]`` (models new_fp32, new_int8, serving) and frames per set."""
+    """``accuracy[model][dataset]`` (models new_fp32, new_int8, serving) and frames per set.
+
+    ``metric`` names the figure: the task's gate metric (``shared.tasks``).
+    """
 
     accuracy: dict[str, dict[str, float]]
     sizes: dict[str, int]
+    metric: str = CLASSIFICATION.gate_metric
 
 
 def evaluate_student(

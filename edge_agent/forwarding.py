@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +32,7 @@ from shared.errors import EdgeLoopError
 from shared.images import ImageInfo
 from shared.lifecycle import Workers
 from shared.messages import Receipt, SampleHeader
+from shared.tasks import task_for
 
 __all__ = ["Forwarding"]
 
@@ -178,9 +180,7 @@ class Forwarding:
                 captured_at=captured_at,
                 model_name=engine.name,
                 model_version=engine.version,
-                scores=[float(x) for x in scores],
-                predicted=decision.predicted,
-                confidence=decision.confidence,
+                answer=task_for(getattr(engine, "task", None)).sample_fields(scores),
                 route_reason=decision.reason,
                 priority=decision.priority,
                 source=source,
@@ -203,14 +203,16 @@ class Forwarding:
         captured_at: datetime,
         model_name: str,
         model_version: str,
-        scores: list[float],
-        predicted: int,
-        confidence: float,
+        answer: Mapping[str, Any],
         route_reason: str | None,
         priority: int,
         source: str,
     ) -> bytes:
-        """The sample envelope this agent uploads for an image (raises ContractError)."""
+        """The sample envelope this agent uploads for an image (raises ContractError).
+
+        ``answer`` is the student's answer as its task writes it into a sample header
+        (``Task.sample_fields``).
+        """
         s = self.settings
         header = SampleHeader(
             sample_id=sample_id,
@@ -219,9 +221,7 @@ class Forwarding:
             captured_at=captured_at,
             model_name=model_name,
             model_version=model_version,
-            scores=scores,
-            predicted=predicted,
-            confidence=min(1.0, max(0.0, confidence)),
+            **answer,
             route_reason=route_reason,
             priority=priority,
             image_format=image_info.format,

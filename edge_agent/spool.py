@@ -85,9 +85,9 @@ def connect(path: Path, *, page_size: int, timeout: float = 5.0) -> sqlite3.Conn
     ``page_size`` applies to a new file only; WAL and synchronous=NORMAL as the module
     docstring says. Deletes do not zero the pages they free: Debian's SQLite (and
     others built with SQLITE_SECURE_DELETE) does by default, and a receipted sample
-    then cost its whole payload again in writes (84 KiB and 82 us per 46 KB sample,
-    against 3 KiB and 13-19 us with FAST, which clears deleted content only from
-    pages a delete writes anyway).
+    then cost its whole payload again in writes (`make bench`, spool section: FAST
+    clears deleted content only from pages a delete writes anyway, and writes a small
+    fraction of those bytes).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=timeout)

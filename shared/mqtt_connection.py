@@ -17,7 +17,8 @@ The io thread runs paho's external-loop API (``loop_read``, ``loop_write``,
 ``loop_misc``) on its own ``select``. A publish on an idle connection wakes it at
 once through a socket pair; while a publish awaits its PUBACK, that PUBACK wakes the
 thread within a round trip and later publishes ride along (a wake-up for each cost
-the agent ~6% more CPU per frame; 20 ms at most if the PUBACK is slow).
+the agent measurably more CPU per frame; a publish waits one io-loop tick at most
+if the PUBACK is slow, 20 ms, the select timeout while publishes are queued).
 
 ``stop`` is idempotent and safe from any thread, during a reconnect too: it sets the
 stop event, wakes the io thread and joins it. On its way out the io thread writes

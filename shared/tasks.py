@@ -6,8 +6,9 @@ the loop, what is specific to the kind of answer a model gives:
 ========================  ==============================================================
 model output              :meth:`Task.answers` turns a batch of raw outputs into answers
 routing signals           :meth:`Task.signals`: the numbers the edge's rules read
-message encoding          :meth:`Task.encode` / :meth:`Task.decode`: an answer's fields
-                          in a sample header and a verdict
+message encoding          :meth:`Task.sample_fields` / :meth:`Task.sample_answer` (the
+                          edge's answer in a sample header), :meth:`Task.verdict_fields`
+                          / :meth:`Task.verdict_answer` (the teacher's, in a verdict)
 student vs teacher        :meth:`Task.compare`: agreement and the named differences
 review label              :attr:`Task.review_label`: what a human confirms or corrects
 gate metric               :attr:`Task.gate_metric` and :meth:`Task.score`
@@ -86,9 +87,13 @@ class Task(Protocol):
 
     def signals(self, outputs: np.ndarray) -> Signals: ...
 
-    def encode(self, answer: Answer) -> dict[str, Any]: ...
+    def sample_fields(self, output: np.ndarray) -> dict[str, Any]: ...
 
-    def decode(self, fields: Mapping[str, Any]) -> Answer: ...
+    def sample_answer(self, header: Any) -> Answer: ...
+
+    def verdict_fields(self, answer: Answer) -> dict[str, Any]: ...
+
+    def verdict_answer(self, verdict: Any) -> Answer: ...
 
     def compare(self, student: Answer, teacher: Answer) -> Comparison: ...
 
@@ -143,18 +148,37 @@ class ClassificationTask:
         entropy = -(p * np.log(np.minimum(np.maximum(p, 1e-12), 1.0))).sum(axis=1)
         return Signals(predicted.tolist(), top.tolist(), (top - second).tolist(), entropy.tolist())
 
-    def encode(self, answer: Answer) -> dict[str, Any]:
-        """The answer's fields in a sample header or a verdict."""
-        return {"label": answer.label, "confidence": answer.confidence, "scores": answer.scores}
+    def sample_fields(self, output: np.ndarray) -> dict[str, Any]:
+        """The edge's answer for one frame (its model's output row) as sample-header fields."""
+        row = np.asarray(output, dtype=np.float64).reshape(-1)
+        if row.size < 1:
+            raise ValueError("expected a row of class scores, got none")
+        label = int(row.argmax())
+        scores = row.tolist()
+        return {"scores": scores, "predicted": label, "confidence": _unit(scores[label])}
 
-    def decode(self, fields: Mapping[str, Any]) -> Answer:
-        """An answer from a message's fields (which the message schema has checked)."""
-        scores = tuple(float(x) for x in fields["scores"])
-        label = int(fields["label"])
-        if not 0 <= label < len(scores):
-            raise ValueError(f"label {label} is not an index into {len(scores)} scores")
-        confidence = fields.get("confidence")
-        return Answer(label, float(scores[label] if confidence is None else confidence), scores)
+    def sample_answer(self, header: Any) -> Answer:
+        """The edge's answer from a sample header (which the message schema has checked)."""
+        return self._answer(header.predicted, header.confidence, header.scores)
+
+    def verdict_fields(self, answer: Answer) -> dict[str, Any]:
+        """The teacher's answer as verdict fields."""
+        return {
+            "scores": list(answer.scores),
+            "label": answer.label,
+            "confidence": _unit(answer.confidence),
+        }
+
+    def verdict_answer(self, verdict: Any) -> Answer:
+        """The teacher's answer from a verdict (which the message schema has checked)."""
+        return self._answer(verdict.label, verdict.confidence, verdict.scores)
+
+    @staticmethod
+    def _answer(label: int, confidence: float | None, scores: Sequence[float]) -> Answer:
+        row = tuple(float(x) for x in scores)
+        if not 0 <= label < len(row):
+            raise ValueError(f"label {label} is not an index into {len(row)} scores")
+        return Answer(int(label), float(row[label] if confidence is None else confidence), row)
 
     def compare(self, student: Answer, teacher: Answer) -> Comparison:
         """They agree when their labels are equal."""
@@ -169,6 +193,11 @@ class ClassificationTask:
         if not truth:
             return 0.0
         return sum(a.label == int(t) for a, t in zip(predicted, truth, strict=True)) / len(truth)
+
+
+def _unit(value: float) -> float:
+    """A confidence as the messages carry it: within [0, 1] (float rounding can overshoot)."""
+    return min(1.0, max(0.0, float(value)))
 
 
 CLASSIFICATION = ClassificationTask()

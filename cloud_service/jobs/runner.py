@@ -246,6 +246,7 @@ def _judge(p: JobParams, candidate: _Candidate) -> GateDecision:
         int8_tolerance=p.int8_tolerance,
         sizes=candidate.evaluation.sizes,
         max_drift_drop=p.max_drift_drop,
+        metric=candidate.evaluation.metric,
     )
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from shared.errors import ContractError, ManifestError
 from shared.manifest import GoldenCase, InputSpec, ModelManifest, ModelSource
+from shared.tasks import task_for
 from shared.topics import validate_id
 
 __all__ = ["build_manifest", "inspect_onnx", "min_runtime_for_opset", "stamp_identity"]
@@ -73,7 +74,7 @@ def _labels_from(meta: dict[str, str]) -> list[str] | None:
 
 
 def inspect_onnx(data: bytes) -> dict[str, Any]:
-    """Name, version, input spec, output, labels, opset and source read from an ONNX student.
+    """Name, version, task, input spec, output, labels, opset and source of an ONNX student.
 
     Refuses (ManifestError, with the agent's reason slug) a model no agent would load:
     the student contract is one input ``frames`` uint8 [batch, H, W, 3] with a fixed H and
@@ -130,7 +131,13 @@ def inspect_onnx(data: bytes) -> dict[str, Any]:
             source = ModelSource.model_validate_json(meta["edgeloop.source"])
         except ValueError as exc:  # pydantic: an older or foreign description
             log.warning("ignoring the model's edgeloop.source: %s", exc)
+    task = meta.get("edgeloop.task")
+    try:
+        task_for(task)
+    except ValueError as exc:
+        raise _refused(f"the model's edgeloop.task: {exc}", "unsupported_task") from exc
     return {
+        "task": task,
         "name": meta.get("edgeloop.name"),
         "version": meta.get("edgeloop.version"),
         "input": InputSpec(name="frames", shape=shape, dtype="uint8", layout="NHWC"),
@@ -250,6 +257,7 @@ def build_manifest(
             parent_version=parent_version,
             metrics=metrics or {},
             source=info["source"],
+            task=info["task"],
         )
     except ValueError as exc:  # pydantic: a manifest field out of its range
         raise ManifestError(f"cannot describe model {name} {version}: {exc}") from exc

@@ -92,16 +92,22 @@ def _rows(data: dict[str, Any], prefix: str = "") -> list[list[str]]:
     return rows
 
 
+# How the page names a task's gate metric (shared.tasks); others show as written.
+_METRIC_NAMES = {"top1_accuracy": "top-1"}
+
+
 def metric_tables(metrics: dict[str, Any]) -> list[dict[str, Any]]:
     """A job's metrics as tables the page draws: the evaluation as models by data sets
-    (top-1, %), the gate, then each other section as name/value rows."""
+    (in the gate's metric, %), the gate, then each other section as name/value rows."""
     tables: list[dict[str, Any]] = []
     evaluation = metrics.get("evaluation")
+    gate = metrics.get("gate")
+    metric = str(gate.get("metric") or "") if isinstance(gate, dict) else ""
     if isinstance(evaluation, dict) and evaluation:
         data_sets = list(next(iter(evaluation.values())))
         tables.append(
             {
-                "title": "Evaluation (top-1, %)",
+                "title": f"Evaluation ({_METRIC_NAMES.get(metric, metric or 'top-1')}, %)",
                 "columns": ["model", *data_sets],
                 "rows": [
                     [model, *(f"{100 * float(by.get(d, 0.0)):.1f}" for d in data_sets)]

@@ -165,7 +165,27 @@ def test_upload_refuses_a_model_no_agent_can_run_with_the_reason(
     unloadable = _upload(client, broken)
     assert unloadable.status_code == 422, unloadable.text
     assert unloadable.json()["reason"] == "load_failed"
+
+    other_task = make_tiny_student(tmp_path / "segmenter.onnx", size=16)
+    model = onnx.load(str(other_task))
+    model.metadata_props.add(key="edgeloop.task", value="segmentation")
+    onnx.save(model, str(other_task))
+    unknown = _upload(client, other_task)
+    assert unknown.status_code == 422, unknown.text
+    assert unknown.json()["reason"] == "unsupported_task"
+    assert "unknown task 'segmentation'" in unknown.json()["detail"]
     assert client.get("/v1/models", headers=ADMIN).json() == []
+
+
+def test_the_manifest_names_the_task_the_model_declares(tmp_path: Path) -> None:
+    from cloud_service.registry import build_manifest
+
+    plain = make_tiny_student(tmp_path / "plain.onnx", size=16)
+    assert build_manifest(plain.read_bytes()).task is None  # a model from before tasks
+    model = onnx.load(str(plain))
+    model.metadata_props.add(key="edgeloop.task", value="classification")
+    onnx.save(model, str(plain))
+    assert build_manifest(plain.read_bytes()).task == "classification"
 
 
 def test_upload_and_promotion_refuse_what_the_fleets_agents_would_refuse(

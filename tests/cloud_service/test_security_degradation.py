@@ -14,6 +14,7 @@ from sqlalchemy import select
 from cloud_service.api import create_app
 from cloud_service.db.models import Agent, DeadLetter, Sample
 from cloud_service.ingest import AgentBreaker, SampleTask
+from shared.tasks import Answer
 from tests.cloud_service.conftest import make_envelope, publisher
 from tests.cloud_service.test_worker import _wait, running_worker
 
@@ -94,8 +95,7 @@ def _task(priority: int) -> SampleTask:
         fleet="f",
         agent="a",
         captured_at=datetime.now(UTC),
-        edge_predicted=0,
-        edge_confidence=0.4,
+        edge=Answer(0, 0.4, (0.4, 0.6)),
         priority=priority,
         pixels=np.zeros((3, 32, 32), np.float32),
     )
