@@ -142,12 +142,42 @@ FleetId = Annotated[str, AfterValidator(_pydantic(validate_id, "fleet"))]
 AgentId = Annotated[str, AfterValidator(_pydantic(validate_id, "agent"))]
 ShortText = Annotated[str, Field(min_length=1, max_length=128), AfterValidator(_no_control_chars)]
 Score = Annotated[float, AfterValidator(_round_score)]
-Scores = Annotated[list[Score], Field(min_length=1, max_length=1000)]
+# A classifier's scores (one per class), or a detector's (one per box: none on an
+# empty frame); the message's own check says which.
+Scores = Annotated[list[Score], Field(max_length=1000)]
 Confidence = Annotated[float, Field(ge=0.0, le=1.0), AfterValidator(_round_score)]
 Rate = Annotated[float, Field(ge=0.0, le=1.0)]
 NonNegative = Annotated[float, Field(ge=0.0)]
 Count = Annotated[int, Field(ge=0)]
 Dimension = Annotated[int, Field(ge=1, le=2**31 - 1)]
+
+
+def _check_box(box: list[float]) -> list[float]:
+    x1, y1, x2, y2, score, cls = box
+    if not (0.0 <= x1 <= x2 <= 1.0 and 0.0 <= y1 <= y2 <= 1.0):
+        raise ValueError("a box's corners are fractions of the frame with x1 <= x2, y1 <= y2")
+    if not 0.0 <= score <= 1.0:
+        raise ValueError("a box's score is within [0, 1]")
+    if cls != int(cls) or not 0 <= cls < 100_000:
+        raise ValueError("a box's class is a class index")
+    return box
+
+
+# A detected object (shared.tasks.detection): x1, y1, x2, y2 as fractions of the
+# frame, score, class index.
+DetectedBox = Annotated[list[Score], Field(min_length=6, max_length=6), AfterValidator(_check_box)]
+Boxes = Annotated[list[DetectedBox], Field(max_length=300)]
+
+
+def _check_answer(
+    scores: list[float], index: int, boxes: list[list[float]] | None, what: str
+) -> None:
+    """A classifier's answer: ``index`` into the scores; a detector's: a score per box."""
+    if boxes is None:
+        if index >= len(scores):
+            raise ValueError(f"{what} {index} is not an index into the scores")
+    elif len(scores) != len(boxes):
+        raise ValueError(f"{len(scores)} scores for {len(boxes)} boxes")
 
 
 class Message(BaseModel):
@@ -203,6 +233,7 @@ class SampleHeader(Message):
     scores: Scores
     predicted: Count
     confidence: Confidence
+    boxes: Boxes | None = None  # a detector's answer (shared.tasks.detection)
     route_reason: RouteReason
     priority: Annotated[int, Field(ge=0, le=9)] = 5
     image_format: Literal["jpeg", "png"]
@@ -216,8 +247,7 @@ class SampleHeader(Message):
 
     @model_validator(mode="after")
     def _check_predicted(self) -> SampleHeader:
-        if self.predicted >= len(self.scores):
-            raise ValueError(f"predicted {self.predicted} is not an index into the scores")
+        _check_answer(self.scores, self.predicted, self.boxes, "predicted")
         return self
 
 
@@ -245,6 +275,7 @@ class Verdict(Message):
     scores: Scores
     label: Count
     confidence: Confidence
+    boxes: Boxes | None = None  # the teacher detector's answer (shared.tasks.detection)
     agrees_with_edge: bool
     review: bool = False
     review_reasons: list[ShortText] = Field(default_factory=list, max_length=16)
@@ -252,8 +283,7 @@ class Verdict(Message):
 
     @model_validator(mode="after")
     def _check_label(self) -> Verdict:
-        if self.label >= len(self.scores):
-            raise ValueError(f"label {self.label} is not an index into the scores")
+        _check_answer(self.scores, self.label, self.boxes, "label")
         return self
 
 

@@ -457,7 +457,10 @@ def test_a_manifest_names_its_task_and_an_agent_refuses_another_or_an_unknown_on
     assert refusal(plain, None) is None
     assert refusal(plain, "classification") is None
     detector = plain.model_copy(update={"task": "detection"})
-    assert refusal(detector, "classification") == "unsupported_task"  # unknown here
+    assert refusal(detector, "classification") == "incompatible_task"
+    assert refusal(detector, "detection") is None
+    segmenter = plain.model_copy(update={"task": "segmentation"})
+    assert refusal(segmenter, "classification") == "unsupported_task"  # unknown here
     classifier = plain.model_copy(update={"task": "classification"})
     assert refusal(classifier, "classification") is None
     with pytest.raises(ValidationError):

@@ -1,103 +1,19 @@
-"""The task seam: what a model answers, and everything that follows from it.
+"""Classification, the first task: one label per frame from a row of class probabilities.
 
-A *task* (``docs/architecture.md``, "The task contract") decides, for every part of
-the loop, what is specific to the kind of answer a model gives:
-
-========================  ==============================================================
-model output              :meth:`Task.answers` turns a batch of raw outputs into answers
-routing signals           :meth:`Task.signals`: the numbers the edge's rules read
-message encoding          :meth:`Task.sample_fields` / :meth:`Task.sample_answer` (the
-                          edge's answer in a sample header), :meth:`Task.verdict_fields`
-                          / :meth:`Task.verdict_answer` (the teacher's, in a verdict)
-student vs teacher        :meth:`Task.compare`: agreement and the named differences
-review label              :attr:`Task.review_label`: what a human confirms or corrects
-gate metric               :attr:`Task.gate_metric` and :meth:`Task.score`
-training loss and head    ``distill.tasks`` (torch lives there, not here)
-export formats            :attr:`Task.export_formats`
-========================  ==============================================================
-
-Classification is the first implementation: an answer is a probability row, its
-label the arg-max, student and teacher agree when their labels are equal, the
-gate judges top-1 accuracy. Code outside a task asks the task; nothing else in the
-loop looks inside an answer. Contracts layer: numpy only, no runtime imports.
+An answer is a probability row, its label the arg-max; student and teacher agree when
+their labels are equal; the gate judges top-1 accuracy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
-__all__ = [
-    "CLASSIFICATION",
-    "TASKS",
-    "Answer",
-    "ClassificationTask",
-    "Comparison",
-    "Signals",
-    "Task",
-    "task_for",
-]
+from shared.tasks.contract import Answer, Comparison, Signals
 
-
-@dataclass(frozen=True)
-class Answer:
-    """One model's answer for one frame: its label index, confidence and full scores."""
-
-    label: int
-    confidence: float
-    scores: tuple[float, ...]
-
-
-@dataclass(frozen=True)
-class Signals:
-    """What routing rules read, one entry per frame of a batch."""
-
-    predicted: list[int]
-    confidence: list[float]
-    margin: list[float]
-    entropy: list[float]  # nats
-
-    def __len__(self) -> int:
-        return len(self.predicted)
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """Student against teacher for one frame."""
-
-    agrees: bool
-    differences: tuple[str, ...] = field(default_factory=tuple)  # e.g. ("wrong_class",)
-
-
-@runtime_checkable
-class Task(Protocol):
-    """The contract every task implements (see the module docstring's table)."""
-
-    name: ClassVar[str]
-    gate_metric: ClassVar[str]
-    review_label: ClassVar[str]
-    routing_rules: ClassVar[tuple[str, ...]]
-    export_formats: ClassVar[tuple[str, ...]]
-
-    def answers(self, outputs: np.ndarray) -> list[Answer]: ...
-
-    def signals(self, outputs: np.ndarray) -> Signals: ...
-
-    def sample_fields(self, output: np.ndarray) -> dict[str, Any]: ...
-
-    def sample_answer(self, header: Any) -> Answer: ...
-
-    def verdict_fields(self, answer: Answer) -> dict[str, Any]: ...
-
-    def verdict_answer(self, verdict: Any) -> Answer: ...
-
-    def compare(self, student: Answer, teacher: Answer) -> Comparison: ...
-
-    def score(self, predicted: Sequence[Answer], truth: Sequence[int]) -> float: ...
+__all__ = ["CLASSIFICATION", "ClassificationTask"]
 
 
 class ClassificationTask:
@@ -201,15 +117,3 @@ def _unit(value: float) -> float:
 
 
 CLASSIFICATION = ClassificationTask()
-
-TASKS: Mapping[str, Task] = MappingProxyType({CLASSIFICATION.name: CLASSIFICATION})
-
-
-def task_for(name: str | None) -> Task:
-    """The task of a model or a fleet; ``None`` (a model from before tasks) is classification."""
-    if name is None:
-        return CLASSIFICATION
-    try:
-        return TASKS[name]
-    except KeyError:
-        raise ValueError(f"unknown task {name!r}; known: {', '.join(sorted(TASKS))}") from None
