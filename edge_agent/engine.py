@@ -164,11 +164,19 @@ class OrtEngine:
     def _read_contract(self) -> None:
         inputs = {i.name: i for i in self._session.get_inputs()}
         outputs = {o.name: o for o in self._session.get_outputs()}
-        if "frames" not in inputs or "scores" not in outputs:
+        meta = self._session.get_modelmeta().custom_metadata_map
+        try:  # a model of a task this agent does not know is refused, not misread
+            task = task_for(meta.get("edgeloop.task"))
+        except ValueError as exc:
+            raise ModelError(f"{self.path}: {exc}") from None
+        self.task = task.name
+        self.output_name = output = task.output_name
+        if "frames" not in inputs or output not in outputs:
             raise ModelError(
-                f"{self.path} does not follow the student contract: expected input 'frames'"
-                f" and output 'scores', found inputs {sorted(inputs)} outputs {sorted(outputs)};"
-                " wrap a model of another contract with `edgeloop models import`"
+                f"{self.path} does not follow the student contract of the {task.name} task:"
+                f" expected input 'frames' and output {output!r}, found inputs"
+                f" {sorted(inputs)} outputs {sorted(outputs)}; wrap a model of another"
+                " contract with `edgeloop models import`"
             )
         shape = inputs["frames"].shape
         if inputs["frames"].type != "tensor(uint8)" or len(shape) != 4 or shape[3] != 3:
@@ -180,8 +188,8 @@ class OrtEngine:
         if not isinstance(shape[1], int) or not isinstance(shape[2], int):
             raise ModelError(f"{self.path}: input 'frames' needs a fixed H and W, got {shape}")
         self.input_hw = (int(shape[1]), int(shape[2]))
-        meta = self._session.get_modelmeta().custom_metadata_map
-        classes = outputs["scores"].shape[1]
+        # A classifier's classes are its scores' width; a detector's rows do not say.
+        classes = outputs[output].shape[1] if output == "scores" else None
         labels: list[str] | None = None
         if "edgeloop.labels" in meta:
             try:
@@ -190,16 +198,14 @@ class OrtEngine:
                 raise ModelError(f"{self.path}: edgeloop.labels is not JSON") from exc
             if isinstance(parsed, list):
                 labels = [str(x) for x in parsed]
+        if labels is None and classes is None:
+            raise ModelError(f"{self.path}: a {task.name} model must name its edgeloop.labels")
         if labels is None:
             if not isinstance(classes, int):
                 probe = self._session.run(["scores"], {"frames": self._blank(1)})[0]
                 classes = int(probe.shape[1])
             labels = [str(i) for i in range(classes)]
         self.labels = labels
-        try:  # a model of a task this agent does not know is refused, not misread
-            self.task = task_for(meta.get("edgeloop.task")).name
-        except ValueError as exc:
-            raise ModelError(f"{self.path}: {exc}") from None
         self.name = meta.get("edgeloop.name") or self.path.stem
         self.version = meta.get("edgeloop.version") or _sha_prefix(self.path)
 
@@ -226,7 +232,9 @@ class OrtEngine:
     def run(self, frames: np.ndarray) -> np.ndarray:
         session = self._session
         try:
-            return np.asarray(session.run(["scores"], {"frames": frames})[0], dtype=np.float32)
+            return np.asarray(
+                session.run([self.output_name], {"frames": frames})[0], dtype=np.float32
+            )
         except Exception as exc:
             if session.get_providers()[0] == "CPUExecutionProvider":
                 raise ModelError(

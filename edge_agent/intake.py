@@ -64,10 +64,16 @@ class FrameResult:
     model_name: str
     model_version: str
     source: str
+    # A detector's answer (shared.tasks.detection): x1, y1, x2, y2 as fractions of the
+    # frame, score, class; ``scores`` then holds a score per box.
+    boxes: list[list[float]] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         # Flat fields only: cheaper than dataclasses.asdict's deep copy on the hot path.
-        return {name: getattr(self, name) for name in _RESULT_FIELDS}
+        out = {name: getattr(self, name) for name in _RESULT_FIELDS}
+        if out["boxes"] is None:
+            del out["boxes"]  # a classifier's answer is what it always was
+        return out
 
 
 _RESULT_FIELDS = tuple(f.name for f in fields(FrameResult))
@@ -396,11 +402,13 @@ class Intake:
         engine = batch.engine
         labels = engine.labels
         predicted = decision.predicted
+        answer = self.router.task.sample_fields(row)  # as a sample header would carry it
         return FrameResult(
             sample_id=sample_id,
             label=labels[predicted] if predicted < len(labels) else str(predicted),
             predicted=predicted,
-            scores=row.tolist(),
+            scores=answer["scores"],
+            boxes=answer.get("boxes"),
             confidence=decision.confidence,
             forwarded=forwarded,
             route_reason=decision.reason,

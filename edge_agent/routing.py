@@ -26,7 +26,7 @@ from typing import Literal
 
 import numpy as np
 
-from shared.tasks import CLASSIFICATION, Task
+from shared.tasks import CLASSIFICATION, DetectionSignals, Signals, Task
 
 __all__ = [
     "Budget",
@@ -38,8 +38,25 @@ __all__ = [
     "uncertainty",
 ]
 
-Strategy = Literal["low_confidence", "margin", "entropy", "class_threshold"]
+Strategy = Literal[
+    # classification
+    "low_confidence",
+    "margin",
+    "entropy",
+    "class_threshold",
+    # detection
+    "mean_score",
+    "low_score_share",
+    "near_threshold",
+    "box_count",
+]
 DEFAULT_ORDER: tuple[Strategy, ...] = ("low_confidence", "margin", "entropy", "class_threshold")
+DETECTION_ORDER: tuple[Strategy, ...] = (
+    "mean_score",
+    "low_score_share",
+    "near_threshold",
+    "box_count",
+)
 AUDIT_PRIORITY = 9
 
 
@@ -52,7 +69,18 @@ class RoutingPolicy:
     entropy_above: float | None = None  # in nats
     class_thresholds: Mapping[str, float] = field(default_factory=dict)  # label -> min confidence
     audit_share: float = 0.0
-    order: tuple[Strategy, ...] = DEFAULT_ORDER
+    # Detection (shared.tasks.detection): the mean box score below a threshold; the
+    # share of kept boxes below the task's low score above a threshold (KubeEdge
+    # Sedna's IBT rule); at least this many candidates near the score threshold; a
+    # box count outside [min, max]. An empty frame is never unsure by those rules, so
+    # a share of empty frames is audited (missed objects are the costliest errors).
+    mean_score_below: float | None = None
+    low_share_above: float | None = None
+    near_threshold_at_least: int | None = None
+    box_count_range: tuple[int, int] | None = None
+    empty_audit_share: float = 0.0
+    # The strategies in order; None: those of the model's task, in the task's order.
+    order: tuple[Strategy, ...] | None = None
     per_minute: int | None = None
     per_hour: int | None = None
     per_day: int | None = None
@@ -110,9 +138,8 @@ def uncertainties(
     return s.predicted, s.confidence, s.margin, s.entropy
 
 
-def _priority(confidence: float, classes: int) -> int:
-    """0 (least sure: near-uniform scores) .. 8 (nearly confident)."""
-    floor = 1.0 / max(classes, 1)
+def _priority(confidence: float, floor: float) -> int:
+    """0 (least sure: confidence at ``floor``, e.g. near-uniform scores) .. 8 (nearly sure)."""
     span = max(1e-9, 1.0 - floor)
     sureness = min(1.0, max(0.0, (confidence - floor) / span))
     return min(8, math.floor(sureness * 9))
@@ -130,13 +157,15 @@ class Router:
         rng: random.Random | None = None,
         task: Task = CLASSIFICATION,
     ) -> None:
-        unknown = [rule for rule in policy.order if rule not in task.routing_rules]
+        order = policy.order if policy.order is not None else _task_order(task)
+        unknown = [rule for rule in order if rule not in task.routing_rules]
         if unknown:
             raise ValueError(
                 f"routing rules {unknown} do not apply to the {task.name} task"
                 f" (its rules: {', '.join(task.routing_rules)})"
             )
         self.policy = policy
+        self.order: tuple[Strategy, ...] = order
         self.task = task
         self.labels = labels or []
         self._clock = clock
@@ -152,46 +181,67 @@ class Router:
         ]
         self.over_budget = 0
 
-    def _fires(
-        self, strategy: Strategy, predicted: int, top: float, margin: float, ent: float
-    ) -> bool:
+    def _fires(self, strategy: Strategy, s: Signals, i: int) -> bool:
         p = self.policy
         if strategy == "low_confidence":
-            return p.max_prob_below is not None and top < p.max_prob_below
+            return p.max_prob_below is not None and s.confidence[i] < p.max_prob_below
         if strategy == "margin":
-            return p.margin_below is not None and margin < p.margin_below
+            return p.margin_below is not None and s.margin[i] < p.margin_below
         if strategy == "entropy":
-            return p.entropy_above is not None and ent > p.entropy_above
+            return p.entropy_above is not None and s.entropy[i] > p.entropy_above
         if strategy == "class_threshold":
+            predicted = s.predicted[i]
             label = self.labels[predicted] if predicted < len(self.labels) else str(predicted)
             threshold = p.class_thresholds.get(label, p.class_thresholds.get(str(predicted)))
-            return threshold is not None and top < threshold
+            return threshold is not None and s.confidence[i] < threshold
+        if not isinstance(s, DetectionSignals):
+            raise ValueError(f"routing rule {strategy!r} needs a detector's signals")
+        if strategy == "mean_score":
+            return (
+                p.mean_score_below is not None
+                and s.box_count[i] > 0
+                and s.confidence[i] < p.mean_score_below
+            )
+        if strategy == "low_score_share":
+            return p.low_share_above is not None and s.low_share[i] > p.low_share_above
+        if strategy == "near_threshold":
+            return (
+                p.near_threshold_at_least is not None
+                and s.near_count[i] >= p.near_threshold_at_least
+            )
+        if strategy == "box_count":
+            if p.box_count_range is None:
+                return False
+            low, high = p.box_count_range
+            return not low <= s.box_count[i] <= high
         raise ValueError(f"unknown routing strategy {strategy!r}")
 
     def decide(self, scores: np.ndarray) -> Decision:
-        """The decision for one probability row (budgets and the audit draw advance)."""
-        predicted, top, margin, ent = uncertainty(scores)
-        return self._decide(predicted, top, margin, ent, len(scores))
+        """The decision for one frame's output (budgets and the audit draw advance)."""
+        return self.decide_batch(np.asarray(scores)[None])[0]
 
-    def decide_batch(self, scores: np.ndarray) -> list[Decision]:
-        """``decide`` for each row of a [N, classes] batch, in row order, in one numpy pass."""
-        classes = int(np.shape(scores)[1])
-        return [
-            self._decide(predicted, top, margin, ent, classes)
-            for predicted, top, margin, ent in zip(*uncertainties(scores, self.task), strict=True)
-        ]
+    def decide_batch(self, outputs: np.ndarray) -> list[Decision]:
+        """``decide`` for each frame of a batch of outputs, in order, in one numpy pass."""
+        signals = self.task.signals(outputs)
+        # How sure a frame can look at worst: a uniform row for a classifier, no
+        # confidence at all for a detector's mean box score.
+        floor = 0.0 if isinstance(signals, DetectionSignals) else 1.0 / int(np.shape(outputs)[1])
+        return [self._decide(signals, i, floor) for i in range(len(signals))]
 
-    def _decide(
-        self, predicted: int, top: float, margin: float, ent: float, classes: int
-    ) -> Decision:
+    def _decide(self, s: Signals, i: int, floor: float) -> Decision:
         reason: str | None = None
-        for strategy in self.policy.order:
-            if self._fires(strategy, predicted, top, margin, ent):
+        for strategy in self.order:
+            if self._fires(strategy, s, i):
                 reason = strategy
                 break
-        priority = _priority(top, classes)
+        top, predicted, margin, ent = s.confidence[i], s.predicted[i], s.margin[i], s.entropy[i]
+        priority = _priority(top, floor)
+        empty = isinstance(s, DetectionSignals) and s.box_count[i] == 0
         # Drawn for every confident frame, independent of its scores: an unbiased audit.
-        if reason is None and self._rng.random() < self.policy.audit_share:
+        # An empty frame has an audit share of its own.
+        if reason is None and empty and self._rng.random() < self.policy.empty_audit_share:
+            reason, priority = "empty_audit", AUDIT_PRIORITY
+        elif reason is None and self._rng.random() < self.policy.audit_share:
             reason, priority = "audit", AUDIT_PRIORITY
         if reason is None:
             return Decision(False, None, priority, top, predicted, margin, ent)
@@ -202,3 +252,8 @@ class Router:
         for budget in self._budgets:
             budget.take(now)
         return Decision(True, reason, priority, top, predicted, margin, ent)
+
+
+def _task_order(task: Task) -> tuple[Strategy, ...]:
+    """A task's routing rules as strategies, in the task's order."""
+    return tuple(rule for rule in (*DEFAULT_ORDER, *DETECTION_ORDER) if rule in task.routing_rules)

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from edge_agent.routing import DEFAULT_ORDER, RoutingPolicy, Strategy
+from edge_agent.routing import RoutingPolicy, Strategy
 from shared.errors import InvalidIdError
 from shared.settings import EdgeLoopSettings
 from shared.topics import validate_id
@@ -153,7 +153,17 @@ class AgentSettings(EdgeLoopSettings):
     route_margin_below: float | None = Field(default=None, ge=0, le=1)
     route_entropy_above: float | None = Field(default=None, ge=0)
     route_class_thresholds: dict[str, float] = Field(default_factory=dict)
-    route_order: list[Strategy] = Field(default_factory=lambda: list(DEFAULT_ORDER))
+    # Detection (docs/architecture.md, "The task contract"): mean box score, share of
+    # low-confidence boxes, candidates near the score threshold, box count range, and
+    # the audit share of empty frames.
+    route_mean_score_below: float | None = Field(default=0.5, ge=0, le=1.01)
+    route_low_share_above: float | None = Field(default=0.5, ge=0, le=1)
+    route_near_threshold_at_least: int | None = Field(default=None, ge=1)
+    route_box_count_min: int | None = Field(default=None, ge=0)
+    route_box_count_max: int | None = Field(default=None, ge=0)
+    empty_audit_share: float = Field(default=0.05, ge=0, le=1)
+    # None: the model's task's rules, in its order.
+    route_order: list[Strategy] | None = None
     audit_share: float = Field(default=0.01, ge=0, le=1)
     budget_per_minute: int | None = Field(default=None, ge=0)
     budget_per_hour: int | None = Field(default=None, ge=0)
@@ -306,7 +316,16 @@ class AgentSettings(EdgeLoopSettings):
             entropy_above=self.route_entropy_above,
             class_thresholds=dict(self.route_class_thresholds),
             audit_share=self.audit_share,
-            order=tuple(self.route_order),
+            mean_score_below=self.route_mean_score_below,
+            low_share_above=self.route_low_share_above,
+            near_threshold_at_least=self.route_near_threshold_at_least,
+            box_count_range=(
+                None
+                if self.route_box_count_min is None and self.route_box_count_max is None
+                else (self.route_box_count_min or 0, self.route_box_count_max or 10**6)
+            ),
+            empty_audit_share=self.empty_audit_share,
+            order=None if self.route_order is None else tuple(self.route_order),
             per_minute=self.budget_per_minute,
             per_hour=self.budget_per_hour,
             per_day=self.budget_per_day,

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["MemoryPublisher", "make_tiny_student"]
+__all__ = ["MemoryPublisher", "make_tiny_detector", "make_tiny_student"]
 
 
 def make_tiny_student(
@@ -65,6 +65,68 @@ def make_tiny_student(
     model.ir_version = 8  # readable by every onnxruntime the project supports
     labels = labels or [f"class-{i}" for i in range(classes)]
     for key, value in (
+        ("edgeloop.labels", json.dumps(labels)),
+        ("edgeloop.name", name),
+        ("edgeloop.version", version),
+    ):
+        entry = model.metadata_props.add()
+        entry.key, entry.value = key, value
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def make_tiny_detector(
+    path: Path,
+    *,
+    size: int = 32,
+    boxes: list[tuple[float, float, float, float, int]] | None = None,
+    rows: int = 8,
+    name: str = "tiny-detector",
+    version: str = "test-1",
+    labels: list[str] | None = None,
+) -> Path:
+    """Write a detector (``shared.tasks.detection``'s contract) whose answer is readable.
+
+    It answers every frame with the same ``boxes`` (x1, y1, x2, y2 as fractions, class),
+    each scored by the frame's mean brightness (0 black .. 1 white), so a test chooses
+    how sure it is by the frame it sends. Output ``detections`` [batch, rows, 6].
+    """
+    boxes = [(0.1, 0.1, 0.4, 0.5, 1), (0.5, 0.2, 0.9, 0.7, 2)] if boxes is None else boxes
+    if len(boxes) > rows:
+        raise ValueError(f"{len(boxes)} boxes do not fit {rows} rows")
+    base = np.zeros((1, rows, 6), np.float32)
+    mask = np.zeros((1, rows, 6), np.float32)
+    for i, (x1, y1, x2, y2, cls) in enumerate(boxes):
+        base[0, i] = (x1, y1, x2, y2, 0.0, cls)
+        mask[0, i, 4] = 1.0
+    nodes = [
+        helper.make_node("Cast", ["frames"], ["f32"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceMean", ["f32"], ["mean"], axes=[1, 2, 3], keepdims=1),
+        helper.make_node("Mul", ["mean", "scale"], ["score"]),  # [batch, 1, 1, 1]
+        helper.make_node("Reshape", ["score", "score_shape"], ["score3"]),  # [batch, 1, 1]
+        helper.make_node("Mul", ["score3", "mask"], ["scored"]),
+        helper.make_node("Add", ["scored", "base"], ["detections"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        name,
+        [helper.make_tensor_value_info("frames", TensorProto.UINT8, ["batch", size, size, 3])],
+        [helper.make_tensor_value_info("detections", TensorProto.FLOAT, ["batch", rows, 6])],
+        initializer=[
+            numpy_helper.from_array(np.array(1.0 / 255.0, np.float32), "scale"),
+            numpy_helper.from_array(np.array([-1, 1, 1], np.int64), "score_shape"),
+            numpy_helper.from_array(base, "base"),
+            numpy_helper.from_array(mask, "mask"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    classes = max((b[4] for b in boxes), default=0) + 1
+    labels = labels or [f"class-{i}" for i in range(max(classes, 3))]
+    for key, value in (
+        ("edgeloop.task", "detection"),
         ("edgeloop.labels", json.dumps(labels)),
         ("edgeloop.name", name),
         ("edgeloop.version", version),

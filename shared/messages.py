@@ -108,7 +108,19 @@ _CONFIG = ConfigDict(
     allow_inf_nan=False,
 )
 
-RouteReason = Literal["low_confidence", "margin", "entropy", "class_threshold", "audit", "manual"]
+RouteReason = Literal[
+    "low_confidence",
+    "margin",
+    "entropy",
+    "class_threshold",
+    "mean_score",
+    "low_score_share",
+    "near_threshold",
+    "box_count",
+    "empty_audit",
+    "audit",
+    "manual",
+]
 
 
 def _pydantic(check: Any, *args: Any) -> Any:

@@ -20,6 +20,7 @@ class ClassificationTask:
     """One label per frame from a row of class probabilities."""
 
     name: ClassVar[str] = "classification"
+    output_name: ClassVar[str] = "scores"
     gate_metric: ClassVar[str] = "top1_accuracy"
     review_label: ClassVar[str] = "class"
     routing_rules: ClassVar[tuple[str, ...]] = (

@@ -57,6 +57,7 @@ class Task(Protocol):
     """The contract every task implements (see the module docstring's table)."""
 
     name: ClassVar[str]
+    output_name: ClassVar[str]  # the ONNX model's output tensor
     gate_metric: ClassVar[str]
     review_label: ClassVar[str]
     routing_rules: ClassVar[tuple[str, ...]]

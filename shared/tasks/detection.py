@@ -205,6 +205,7 @@ class DetectionTask:
     """Boxes per frame from a detector's ``detections`` rows."""
 
     name: ClassVar[str] = "detection"
+    output_name: ClassVar[str] = "detections"
     gate_metric: ClassVar[str] = "map50"
     review_label: ClassVar[str] = "boxes"
     routing_rules: ClassVar[tuple[str, ...]] = (

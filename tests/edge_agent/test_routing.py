@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from edge_agent.routing import AUDIT_PRIORITY, Router, RoutingPolicy, uncertainty
-from shared.tasks import CLASSIFICATION
+from shared.tasks import CLASSIFICATION, DETECTION
 
 
 class FakeClock:
@@ -163,3 +163,74 @@ def test_the_router_answers_through_the_models_task() -> None:
     decisions = router.decide_batch(np.array([[0.5, 0.3, 0.2], [0.9, 0.05, 0.05]]))
     assert [d.forward for d in decisions] == [True, False]
     assert decisions[0].reason == "low_confidence"
+
+
+# --- detection -------------------------------------------------------------------------
+
+
+def detector_router(**policy: object) -> tuple[Router, FakeClock]:
+    clock = FakeClock()
+    return Router(
+        RoutingPolicy(**{"max_prob_below": None, **policy}),  # type: ignore[arg-type]
+        labels=[str(d) for d in range(10)],
+        clock=clock,
+        rng=random.Random(0),
+        task=DETECTION,
+    ), clock
+
+
+def frame(*scores: float) -> np.ndarray:
+    """One detector frame: a box per score (class 3), padded to 8 rows."""
+    rows = np.zeros((8, 6), np.float32)
+    for i, score in enumerate(scores):
+        rows[i] = (0.1 * i, 0.1, 0.1 * i + 0.08, 0.2, score, 3)
+    return rows
+
+
+def reasons(r: Router, *frames: np.ndarray) -> list[str | None]:
+    return [d.reason if d.forward else None for d in r.decide_batch(np.stack(frames))]
+
+
+def test_each_detection_rule_fires_alone() -> None:
+    sure, unsure = frame(0.95, 0.9), frame(0.95, 0.4, 0.35)
+    r, _ = detector_router(mean_score_below=0.6)
+    assert reasons(r, sure, unsure, frame()) == [None, "mean_score", None]  # empty: no mean
+    r, _ = detector_router(low_share_above=0.5)  # Sedna's IBT: 2 of 3 boxes below 0.5
+    assert reasons(r, sure, unsure) == [None, "low_score_share"]
+    r, _ = detector_router(near_threshold_at_least=2)  # 0.35 and 0.25 within 0.1 of 0.3
+    assert reasons(r, sure, frame(0.9, 0.35, 0.25)) == [None, "near_threshold"]
+    r, _ = detector_router(box_count_range=(1, 2))
+    assert reasons(r, sure, unsure, frame()) == [None, "box_count", "box_count"]
+
+
+def test_detection_rules_combine_in_order_and_the_first_names_the_reason() -> None:
+    unsure = frame(0.95, 0.4, 0.35)
+    r, _ = detector_router(mean_score_below=0.6, low_share_above=0.5)
+    assert r.order[:2] == ("mean_score", "low_score_share")
+    assert reasons(r, unsure) == ["mean_score"]
+    r, _ = detector_router(
+        mean_score_below=0.6, low_share_above=0.5, order=("low_score_share", "mean_score")
+    )
+    assert reasons(r, unsure) == ["low_score_share"]
+
+
+def test_empty_frames_are_audited_by_their_own_share_and_budgets_hold() -> None:
+    r, _ = detector_router(empty_audit_share=1.0)
+    empty = r.decide(frame())
+    assert empty.forward and empty.reason == "empty_audit" and empty.priority == AUDIT_PRIORITY
+    assert not r.decide(frame(0.9)).forward  # a frame with boxes is not an empty one
+    r, _ = detector_router(empty_audit_share=0.25)
+    audited = sum(d.forward for d in r.decide_batch(np.stack([frame()] * 400)))
+    assert 60 <= audited <= 140  # a quarter of 400, drawn
+    r, clock = detector_router(mean_score_below=0.6, per_minute=1)
+    first, second = r.decide_batch(np.stack([frame(0.4), frame(0.4)]))
+    assert first.forward and second.over_budget and r.over_budget == 1
+    clock.now += 61
+    assert r.decide(frame(0.4)).forward
+
+
+def test_classification_rules_do_not_apply_to_a_detector() -> None:
+    with pytest.raises(ValueError, match="do not apply to the detection task"):
+        detector_router(order=("low_confidence",))
+    r, _ = detector_router(mean_score_below=0.6)
+    assert "low_confidence" not in r.order
