@@ -212,6 +212,7 @@ def sample_row(sample: IngestSample, received_at: datetime) -> dict[str, Any]:
         "edge_scores": list(h.scores),
         "edge_predicted": h.predicted,
         "edge_confidence": h.confidence,
+        "edge_boxes": h.boxes,
         "route_reason": h.route_reason,
         "priority": h.priority,
         "image_key": sample.image_key,

@@ -224,6 +224,7 @@ class VerdictStage:
                 "scores": list(v.scores),
                 "label": v.label,
                 "confidence": v.confidence,
+                "boxes": v.boxes,
                 "agrees_with_edge": v.agrees_with_edge,
                 "review": v.review,
                 "review_reasons": list(v.review_reasons),
@@ -257,12 +258,18 @@ class VerdictStage:
             self.publish(verdict)
 
     def _make_verdict(self, task: SampleTask, result: TeacherScore, now: datetime) -> Verdict:
-        teacher = Answer(result.label, result.confidence, tuple(result.scores.tolist()))
-        agrees = self.task.compare(task.edge, teacher).agrees
+        teacher = result.answer or Answer(
+            result.label, result.confidence, tuple(result.scores.tolist())
+        )
+        comparison = self.task.compare(task.edge, teacher)
+        agrees = comparison.agrees
         confidence = min(max(result.confidence, 0.0), 1.0)
         reasons = self.rules.reasons(
             sample_id=task.sample_id, teacher_confidence=confidence, agrees_with_edge=agrees
         )
+        if not agrees and "disagreement" in reasons:
+            # What differs, for the reviewer (a detector's: missed, extra, wrong_class...).
+            reasons += [d for d in comparison.differences if d not in reasons]
         info = self.teacher.info
         return Verdict(
             sample_id=task.agent_sample_id,
@@ -289,6 +296,7 @@ class VerdictStage:
             scores=row.scores,
             label=row.label,
             confidence=row.confidence,
+            boxes=row.boxes,
             agrees_with_edge=row.agrees_with_edge,
             review=row.review,
             review_reasons=row.review_reasons,

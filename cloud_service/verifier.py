@@ -37,7 +37,7 @@ from PIL import Image
 from shared.decode_pool import DecodePool
 from shared.errors import ImageError, ImageFormatError, ModelError
 from shared.images import ImageInfo, decode_cost, probe_image
-from shared.tasks import task_for
+from shared.tasks import Answer, ClassificationTask, task_for
 
 if TYPE_CHECKING:
     from kernels.graph import TeacherSplit
@@ -161,13 +161,14 @@ class BatchScores(NamedTuple):
 
 
 class TeacherScore(NamedTuple):
-    """One frame's row of ``BatchScores``."""
+    """One frame's row of ``BatchScores``; a detector's answer also whole (``answer``)."""
 
     scores: np.ndarray
     label: int
     confidence: float
     margin: float
     entropy: float
+    answer: Answer | None = None
 
 
 def scores_from_probs(probs: np.ndarray) -> BatchScores:
@@ -361,6 +362,10 @@ class TeacherModel:
         )
         self.session = self._create_session(options, choose_providers(providers))
         self.info = self._inspect(name, version)
+        # The task reads the teacher's outputs; a classifier's have a faster path of
+        # their own (scores_from_probs, and the GPU preprocessing kernels).
+        self.task = task_for(self.info.task)
+        self._classifier = isinstance(self.task, ClassificationTask)
         self._binding: _CudaBinding | None = None
         if uses_io_binding(self.info.provider):
             out = next(o for o in self.session.get_outputs() if o.name == self.info.output_name)
@@ -370,7 +375,7 @@ class TeacherModel:
             )
         self._kernels: _KernelPath | None = None
         # torch and triton are imported only where they can be used (~300 MB resident).
-        on_cuda = gpu_kernels and self.info.provider == "CUDAExecutionProvider"
+        on_cuda = gpu_kernels and self._classifier and self.info.provider == "CUDAExecutionProvider"
         cuda, triton = _cuda_and_triton() if on_cuda else (False, False)
         if use_gpu_kernels(self.info.provider, wanted=gpu_kernels, cuda=cuda, triton=triton):
             self._kernels = self._kernel_path(options, device="cuda")
@@ -449,9 +454,15 @@ class TeacherModel:
                 " expected uint8 [N, H, W, 3]; `edgeloop models import --role teacher` wraps"
                 " a float32 or NCHW model with its preprocessing"
             )
-        out = next((o for o in outputs if o.name == "scores"), outputs[0])
-        classes = out.shape[1] if len(out.shape) == 2 and isinstance(out.shape[1], int) else None
         meta = self.session.get_modelmeta().custom_metadata_map
+        try:
+            answers = task_for(meta.get("edgeloop.task"))
+        except ValueError as exc:
+            raise ModelError(f"teacher {name}: {exc}") from None
+        out = next((o for o in outputs if o.name == answers.output_name), outputs[0])
+        classes = out.shape[1] if len(out.shape) == 2 and isinstance(out.shape[1], int) else None
+        if out.name != "scores" and classes is not None:
+            classes = None  # a detector's rows do not count its classes
         labels: list[str] | None = None
         if "edgeloop.labels" in meta:
             try:
@@ -462,10 +473,7 @@ class TeacherModel:
                 log.warning("teacher metadata edgeloop.labels is not JSON; using indices")
         if labels is None:
             labels = [str(i) for i in range(classes or 0)]
-        try:
-            task = task_for(meta.get("edgeloop.task")).name
-        except ValueError as exc:
-            raise ModelError(f"teacher {name}: {exc}") from None
+        task = answers.name
         return ModelInfo(
             name=name,
             version=version or meta.get("edgeloop.version", "1"),
@@ -518,6 +526,11 @@ class TeacherModel:
 
     def score_many(self, frames: Sequence[np.ndarray]) -> list[TeacherScore]:
         """``score`` for a list of same-shape frames [H, W, 3], one result per frame."""
+        if not self._classifier:
+            return [
+                TeacherScore(np.asarray(a.scores, np.float32), a.label, a.confidence, 0.0, 0.0, a)
+                for a in self.task.answers(self._predict_graph(np.stack(frames)))
+            ]
         result = self.score(np.stack(frames))
         return [
             TeacherScore(probs, int(label), float(confidence), float(margin), float(entropy))

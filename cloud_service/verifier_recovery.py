@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 
 from sqlalchemy import update
 from sqlalchemy.exc import SQLAlchemyError
@@ -38,7 +39,6 @@ from cloud_service.verifier import decode_image
 from shared.decode_pool import DecodePool
 from shared.errors import EdgeLoopError
 from shared.lifecycle import Workers
-from shared.tasks import Answer
 from shared.topics import TopicRef, Topics
 
 __all__ = ["MalformedGuard", "Recovery"]
@@ -263,8 +263,13 @@ class Recovery:
                         fleet=row.fleet,
                         agent=row.agent_id,
                         captured_at=row.captured_at,
-                        edge=Answer(
-                            row.edge_predicted, row.edge_confidence, tuple(row.edge_scores)
+                        edge=self.verdicts.task.sample_answer(
+                            SimpleNamespace(
+                                predicted=row.edge_predicted,
+                                confidence=row.edge_confidence,
+                                scores=row.edge_scores,
+                                boxes=row.edge_boxes,
+                            )
                         ),
                         priority=row.priority,
                         pixels=pixels,

@@ -138,6 +138,8 @@ class Sample(Base):
     edge_scores: Mapped[list[Any]] = mapped_column()
     edge_predicted: Mapped[int] = mapped_column(Integer)
     edge_confidence: Mapped[float] = mapped_column(Float)
+    # A detector's answer (shared.tasks.detection), NULL for a classifier's (0008).
+    edge_boxes: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
     route_reason: Mapped[str] = mapped_column(String(32))
     priority: Mapped[int] = mapped_column(Integer, default=5)
     image_key: Mapped[str] = mapped_column(String(512))
@@ -166,6 +168,7 @@ class Verdict(Base):
     scores: Mapped[list[Any]] = mapped_column()
     label: Mapped[int] = mapped_column(Integer)
     confidence: Mapped[float] = mapped_column(Float)
+    boxes: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)  # a detector's (0008)
     agrees_with_edge: Mapped[bool] = mapped_column(Boolean)
     review: Mapped[bool] = mapped_column(Boolean, default=False)
     review_reasons: Mapped[list[Any]] = mapped_column(default=list)
@@ -183,6 +186,9 @@ class Label(Base):
         String(36), ForeignKey("samples.sample_id", ondelete="CASCADE"), index=True
     )
     label: Mapped[int] = mapped_column(Integer)
+    # A detection label: the frame's boxes as a human confirmed or drew them (0008);
+    # ``label`` is then the class of the first box, or 0 for an empty frame.
+    boxes: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
     labeled_by: Mapped[str] = mapped_column(String(128))
     note: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
