@@ -19,6 +19,13 @@ row; dataset formats (ImageFolder, COCO, YOLO) hold the labelled rows only.
 - ``yolo``: a zip in Ultralytics' layout: ``images/<id>.<ext>``, ``labels/<id>.txt``
   (``<class> 0.5 0.5 1.0 1.0``: the whole frame, normalised centre and size),
   ``classes.txt`` (one name a line, line number = class id) and ``data.yaml``.
+A detector's samples (``ExportRow.boxes``) export their boxes instead: a COCO
+annotation per box (pixels; ``file_name`` ``images/<sample id>.<ext>``), a YOLO line
+per box (``<class> <cx> <cy> <w> <h>``, normalised; an empty file for an empty
+frame), Label Studio ``rectanglelabels`` results (percent of the frame) for the edge's
+and the teacher's boxes as predictions and a human's as the annotation, and the
+boxes in pixels with class names in the JSON records.
+
 - ``labelstudio``: Label Studio tasks (JSON list) for an image classification
   project with this labeling config::
 
@@ -103,6 +110,16 @@ class ExportRow:
     image_format: str
     image_width: int
     image_height: int
+    # A detector's sample (shared.tasks.detection): the chosen label's boxes, the
+    # edge's and the teacher's, each ``x1, y1, x2, y2, score, class`` with the corners
+    # as fractions of the frame; None on a classifier's sample.
+    boxes: tuple[tuple[float, ...], ...] | None = None
+    edge_boxes: tuple[tuple[float, ...], ...] | None = None
+    teacher_boxes: tuple[tuple[float, ...], ...] | None = None
+
+    @property
+    def detection(self) -> bool:
+        return self.edge_boxes is not None
 
     def record(self) -> dict[str, Any]:
         """The CSV / JSON record (``COLUMNS``)."""
@@ -156,7 +173,11 @@ def write_export(
     if fmt == "csv":
         out.write(_csv(rows).encode())
     elif fmt == "json":
-        out.write(json.dumps([r.record() for r in rows], indent=1).encode())
+        records = [
+            {**r.record(), "boxes": _named_boxes(r, r.boxes)} if r.detection else r.record()
+            for r in rows
+        ]
+        out.write(json.dumps(records, indent=1).encode())
     elif fmt in ("imagefolder", "zip"):
         _image_folder(rows, out, blobs)
     elif fmt == "coco":
@@ -224,7 +245,34 @@ def _csv(rows: Iterable[ExportRow]) -> str:
 
 
 def _labelled(rows: Iterable[ExportRow]) -> list[ExportRow]:
-    return [r for r in rows if r.label is not None and r.class_name is not None]
+    """Rows with a label: a class, or a detector's boxes (none at all is a label too)."""
+    return [
+        r
+        for r in rows
+        if (r.boxes is not None if r.detection else r.label is not None and r.class_name)
+    ]
+
+
+def _named_boxes(
+    row: ExportRow, boxes: tuple[tuple[float, ...], ...] | None
+) -> list[dict[str, Any]] | None:
+    """Boxes in pixels with their class names, for the JSON record."""
+    if boxes is None:
+        return None
+    return [
+        {
+            "bbox_xyxy": _pixels(row, box),
+            "score": round(box[4], 6) if len(box) > 5 else None,
+            "class": int(box[-1]),
+            "class_name": row._name(int(box[-1])),
+        }
+        for box in boxes
+    ]
+
+
+def _pixels(row: ExportRow, box: Sequence[float]) -> list[float]:
+    w, h = row.image_width, row.image_height
+    return [round(box[0] * w, 2), round(box[1] * h, 2), round(box[2] * w, 2), round(box[3] * h, 2)]
 
 
 def _class_list(rows: Iterable[ExportRow]) -> list[str]:
@@ -232,7 +280,10 @@ def _class_list(rows: Iterable[ExportRow]) -> list[str]:
     names: dict[str, None] = {}
     for row in rows:
         names.update(dict.fromkeys(row.classes))
-        if row.class_name is not None:
+        if row.detection:
+            for box in row.boxes or ():
+                names.setdefault(row._name(int(box[-1])) or "")
+        elif row.class_name is not None:
             names.setdefault(row.class_name)
     return list(names)
 
@@ -266,13 +317,15 @@ def coco(rows: Sequence[ExportRow], *, image_url: Callable[[str], str]) -> dict[
     names = _class_list(labelled)
     category = {name: i + 1 for i, name in enumerate(names)}
     newest = max((r.captured_at for r in labelled), default=None)
-    images, annotations = [], []
+    images: list[dict[str, Any]] = []
+    annotations: list[dict[str, Any]] = []
     for i, row in enumerate(labelled, start=1):
         w, h = row.image_width, row.image_height
+        folder = "images" if row.detection else folder_name(row.class_name or "")
         images.append(
             {
                 "id": i,
-                "file_name": f"{folder_name(row.class_name or '')}/{row.image_name}",
+                "file_name": f"{folder}/{row.image_name}",
                 "width": w,
                 "height": h,
                 "date_captured": row.captured_at.isoformat(),
@@ -281,9 +334,25 @@ def coco(rows: Sequence[ExportRow], *, image_url: Callable[[str], str]) -> dict[
                 "sample_id": row.sample_id,
             }
         )
+        if row.detection:
+            for box in row.boxes or ():
+                x1, y1, x2, y2 = _pixels(row, box)
+                annotations.append(
+                    {
+                        "id": len(annotations) + 1,
+                        "image_id": i,
+                        "category_id": category[row._name(int(box[-1])) or ""],
+                        "bbox": [x1, y1, round(x2 - x1, 2), round(y2 - y1, 2)],
+                        "area": round((x2 - x1) * (y2 - y1), 2),
+                        "iscrowd": 0,
+                        "source": row.source,
+                        "labeled_by": row.labeled_by,
+                    }
+                )
+            continue
         annotations.append(
             {
-                "id": i,
+                "id": len(annotations) + 1,
                 "image_id": i,
                 "category_id": category[row.class_name or ""],
                 "bbox": [0, 0, w, h],
@@ -296,7 +365,11 @@ def coco(rows: Sequence[ExportRow], *, image_url: Callable[[str], str]) -> dict[
         )
     return {
         "info": {
-            "description": "EdgeLoop review results (classification: whole-frame boxes)",
+            "description": (
+                "EdgeLoop review results (detection: the chosen boxes)"
+                if any(r.detection for r in labelled)
+                else "EdgeLoop review results (classification: whole-frame boxes)"
+            ),
             "version": "1",
             "date_created": newest.isoformat() if newest else None,
         },
@@ -320,6 +393,14 @@ def _yolo(rows: Sequence[ExportRow], out: IO[bytes], blobs: BlobStore) -> None:
                 continue
             archive.writestr(f"images/{row.image_name}", data)
             stem = row.image_name.rsplit(".", 1)[0]
+            if row.detection:
+                lines = [
+                    f"{index[row._name(int(b[-1])) or '']} {(b[0] + b[2]) / 2:.6f}"
+                    f" {(b[1] + b[3]) / 2:.6f} {b[2] - b[0]:.6f} {b[3] - b[1]:.6f}\n"
+                    for b in row.boxes or ()
+                ]
+                archive.writestr(f"labels/{stem}.txt", "".join(lines))
+                continue
             archive.writestr(
                 f"labels/{stem}.txt", f"{index[row.class_name or '']} 0.5 0.5 1.0 1.0\n"
             )
@@ -341,12 +422,44 @@ def _choice(name: str) -> list[dict[str, Any]]:
     ]
 
 
+def _rectangles(row: ExportRow, boxes: Sequence[Sequence[float]]) -> list[dict[str, Any]]:
+    """Boxes as Label Studio ``rectanglelabels`` results (percent of the frame)."""
+    return [
+        {
+            "from_name": _CHOICES_FROM,
+            "to_name": _CHOICES_TO,
+            "type": "rectanglelabels",
+            "original_width": row.image_width,
+            "original_height": row.image_height,
+            "image_rotation": 0,
+            "value": {
+                "x": round(100 * b[0], 4),
+                "y": round(100 * b[1], 4),
+                "width": round(100 * (b[2] - b[0]), 4),
+                "height": round(100 * (b[3] - b[1]), 4),
+                "rotation": 0,
+                "rectanglelabels": [row._name(int(b[-1])) or ""],
+            },
+            **({"score": round(b[4], 6)} if len(b) > 5 else {}),
+        }
+        for b in boxes
+    ]
+
+
+def _mean_score(boxes: Sequence[Sequence[float]]) -> float:
+    scores = [b[4] for b in boxes if len(b) > 5]
+    return round(sum(scores) / len(scores), 6) if scores else 1.0
+
+
 def label_studio(
     rows: Sequence[ExportRow], *, image_url: Callable[[str], str]
 ) -> list[dict[str, Any]]:
     """Label Studio tasks: edge and teacher outputs as predictions, a human label as annotation."""
     tasks = []
     for row in rows:
+        if row.detection:
+            tasks.append(_label_studio_boxes(row, image_url))
+            continue
         predictions = [
             {
                 "model_version": f"{row.model_name}:{row.model_version}",
@@ -388,3 +501,42 @@ def label_studio(
             }
         )
     return tasks
+
+
+def _label_studio_boxes(row: ExportRow, image_url: Callable[[str], str]) -> dict[str, Any]:
+    """A detector's sample as a Label Studio task of a ``RectangleLabels`` project."""
+    predictions = [
+        {
+            "model_version": version,
+            "score": _mean_score(boxes),
+            "result": _rectangles(row, boxes),
+        }
+        for version, boxes in (
+            (f"{row.model_name}:{row.model_version}", row.edge_boxes),
+            (f"{row.teacher_model}:{row.teacher_version}", row.teacher_boxes),
+        )
+        if boxes is not None
+    ]
+    annotations = []
+    if row.source == "human" and row.boxes is not None:
+        annotations.append(
+            {
+                "result": _rectangles(row, row.boxes),
+                "created_at": row.labeled_at.isoformat() if row.labeled_at else None,
+                "ground_truth": False,
+                "was_cancelled": False,
+            }
+        )
+    return {
+        "data": {
+            "image": image_url(row.sample_id),
+            "sample_id": row.sample_id,
+            "agent_id": row.agent_id,
+            "fleet": row.fleet,
+            "captured_at": row.captured_at.isoformat(),
+            "status": row.status,
+            "labeled_by": row.labeled_by if row.source == "human" else None,
+        },
+        "predictions": predictions,
+        "annotations": annotations,
+    }

@@ -42,9 +42,11 @@ def export_rows(
     for sample, verdict, label in session.execute(stmt).all():
         names = classes.for_sample(sample)
         chosen: int | None = None
+        boxes: list[Any] | None = None
         source = labeled_by = None
         labeled_at = None
         if sample.status == "reviewed" and label is not None:
+            boxes = label.boxes
             chosen, source, labeled_by, labeled_at = (
                 label.label,
                 "human",
@@ -52,6 +54,7 @@ def export_rows(
                 label.created_at,
             )
         elif sample.status in ("verified", "flagged") and verdict is not None:
+            boxes = verdict.boxes
             chosen, source, labeled_by, labeled_at = (
                 verdict.label,
                 "teacher",
@@ -87,9 +90,19 @@ def export_rows(
                 image_format=sample.image_format,
                 image_width=sample.image_width,
                 image_height=sample.image_height,
+                boxes=_boxes(boxes),
+                edge_boxes=_boxes(sample.edge_boxes),
+                teacher_boxes=_boxes(verdict.boxes if verdict else None),
             )
         )
     return rows
+
+
+def _boxes(stored: list[Any] | None) -> tuple[tuple[float, ...], ...] | None:
+    """Stored boxes ``[x1, y1, x2, y2, (score,) class]`` as tuples; None: not a detector's."""
+    if stored is None:
+        return None
+    return tuple(tuple(float(v) for v in box) for box in stored)
 
 
 # --- dashboard ---------------------------------------------------------------
