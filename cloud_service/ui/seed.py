@@ -2,6 +2,10 @@
 
 For demos, the UI's browser tests and its benchmark (bulk inserts: 100,000 samples
 take seconds on PostgreSQL). Images are a few generated PNGs shared by key.
+
+``seed_detection`` adds a detector's fleet: conveyor-belt frames with digits on them,
+the edge's and the teacher's boxes differing in every way the review page shows
+(missed, extra, wrong class, loose localisation) and agreeing on some frames.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from cloud_service.db.models import (
     Verdict,
 )
 
-__all__ = ["CLASSES", "seed"]
+__all__ = ["CLASSES", "DETECTION_CLASSES", "DETECTION_FRAMES", "seed", "seed_detection"]
 
 CLASSES = ["person", "bicycle", "car", "dog", "cat", "truck", "bird", "bus"]
 REASONS = ["low_confidence", "margin", "entropy", "audit"]
@@ -205,3 +209,162 @@ def _flush(session: Session, samples: list[dict[str, Any]], verdicts: list[dict[
         session.execute(insert(Verdict), verdicts)
     samples.clear()
     verdicts.clear()
+
+
+# --- detection ----------------------------------------------------------------------
+
+DETECTION_CLASSES = [str(d) for d in range(10)]  # the conveyor belt's digits
+DetBox = tuple[float, float, float, float, float, int]
+
+# Per frame: (the teacher's boxes, the edge's boxes), x1, y1, x2, y2, score, class; each
+# list is sorted by score, as answers are. The first frame differs in every way.
+DETECTION_FRAMES: list[tuple[list[DetBox], list[DetBox]]] = [
+    (
+        [
+            (0.10, 0.10, 0.30, 0.35, 0.97, 3),
+            (0.50, 0.15, 0.70, 0.40, 0.93, 7),
+            (0.20, 0.60, 0.40, 0.85, 0.90, 1),
+            (0.65, 0.60, 0.85, 0.88, 0.86, 5),
+        ],
+        [
+            (0.11, 0.11, 0.31, 0.35, 0.81, 3),  # matched
+            (0.50, 0.16, 0.69, 0.41, 0.62, 2),  # wrong class (teacher: 7)
+            (0.28, 0.66, 0.50, 0.92, 0.48, 1),  # loose: a localisation error
+            (0.80, 0.04, 0.95, 0.20, 0.41, 9),  # extra; the teacher's 5 is missed
+        ],
+    ),
+    (
+        [(0.15, 0.20, 0.35, 0.50, 0.95, 4), (0.60, 0.40, 0.82, 0.72, 0.88, 8)],
+        [(0.16, 0.20, 0.35, 0.49, 0.45, 4), (0.60, 0.41, 0.81, 0.72, 0.40, 8)],
+    ),
+    ([(0.40, 0.30, 0.62, 0.62, 0.91, 6)], []),
+    ([], [(0.30, 0.30, 0.50, 0.55, 0.44, 0), (0.70, 0.10, 0.88, 0.35, 0.38, 2)]),
+    (
+        [(0.05, 0.55, 0.25, 0.85, 0.96, 9), (0.45, 0.05, 0.65, 0.35, 0.92, 0)],
+        [(0.05, 0.55, 0.25, 0.85, 0.70, 7), (0.45, 0.05, 0.65, 0.35, 0.66, 0)],
+    ),
+]
+
+
+def _belt(boxes: list[DetBox], size: int, rng: random.Random) -> bytes:
+    """A belt seen from above with the digits the teacher boxed drawn in their boxes."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    image = Image.new("RGB", (size, size), (96, 100, 104))
+    draw = ImageDraw.Draw(image)
+    for y in range(0, size, 16):  # the belt's ribs
+        draw.line((0, y, size, y), fill=(86, 90, 94), width=3)
+    for _ in range(3):  # clutter that is not an object
+        x, y = rng.randrange(0, size - 30), rng.randrange(0, size - 30)
+        draw.ellipse((x, y, x + 14, y + 14), fill=(150, 140, 120))
+    for x1, y1, x2, y2, _, cls in boxes:
+        box = (x1 * size, y1 * size, x2 * size, y2 * size)
+        draw.rectangle(box, fill=(226, 222, 210))
+        font = ImageFont.load_default(size=int((y2 - y1) * size * 0.8))
+        centre = ((box[0] + box[2]) / 2, (box[1] + box[3]) / 2)
+        draw.text(centre, str(cls), fill=(30, 30, 40), font=font, anchor="mm")
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def seed_detection(
+    *,
+    session: Session,
+    blobs: BlobStore,
+    fleet: str = "fleet-d",
+    agent_id: str = "belt-1",
+    size: int = 320,
+    now: datetime | None = None,
+    seed_value: int = 3,
+) -> dict[str, Any]:
+    """Insert a detector (its manifest names the digits), one agent and a flagged
+    sample per ``DETECTION_FRAMES`` entry; returns their ids, newest first."""
+    from shared.tasks.detection import match
+
+    rng = random.Random(seed_value)
+    now = now or datetime.now(UTC)
+    session.add(
+        Agent(
+            agent_id=agent_id,
+            fleet=fleet,
+            state="online",
+            last_seen_at=now - timedelta(seconds=5),
+            model_version="d-1",
+            telemetry={},
+        )
+    )
+    session.add(
+        ModelVersion(
+            name="detector",
+            version="d-1",
+            format="int8",
+            sha256="1" * 64,
+            size_bytes=900_000,
+            artifact_key="models/detector-d-1.onnx",
+            manifest={"labels": DETECTION_CLASSES, "task": "detection"},
+            announcement=b"{}",
+            key_id="seed",
+            metrics={"map50": 0.71},
+            source="seed",
+            state="serving",
+        )
+    )
+    samples: list[dict[str, Any]] = []
+    verdicts: list[dict[str, Any]] = []
+    ids: list[str] = []
+    for i, (teacher, edge) in enumerate(DETECTION_FRAMES):
+        sample_id = str(uuid.UUID(int=rng.getrandbits(128), version=4))
+        captured = now - timedelta(minutes=10 * (i + 1))
+        key = f"seed/belt-{seed_value}-{i:03d}.png"
+        image = _belt(teacher, size, rng)
+        blobs.put(key, image)
+        differences = match(edge, teacher).differences
+        samples.append(
+            {
+                "sample_id": sample_id,
+                "fleet": fleet,
+                "agent_id": agent_id,
+                "captured_at": captured,
+                "received_at": captured + timedelta(milliseconds=40),
+                "model_name": "detector",
+                "model_version": "d-1",
+                "edge_scores": [b[4] for b in edge],
+                "edge_predicted": edge[0][5] if edge else 0,
+                "edge_confidence": _mean_score(edge),
+                "edge_boxes": [list(b) for b in edge],
+                "route_reason": "mean_score",
+                "priority": 5,
+                "image_key": key,
+                "image_format": "png",
+                "image_width": size,
+                "image_height": size,
+                "image_bytes": len(image),
+                "meta": {},
+                "status": "flagged",
+                "verified_at": captured + timedelta(milliseconds=150),
+            }
+        )
+        verdicts.append(
+            {
+                "sample_id": sample_id,
+                "teacher_model": "teacher-detector",
+                "teacher_version": "t-1",
+                "scores": [b[4] for b in teacher],
+                "label": teacher[0][5] if teacher else 0,
+                "confidence": _mean_score(teacher),
+                "boxes": [list(b) for b in teacher],
+                "agrees_with_edge": not differences,
+                "review": True,
+                "review_reasons": ["disagreement", *differences] if differences else ["audit"],
+                "verified_at": captured + timedelta(milliseconds=150),
+                "latency_s": 0.08,
+            }
+        )
+        ids.append(sample_id)
+    _flush(session, samples, verdicts)
+    return {"detection": ids, "agent": agent_id, "fleet": fleet}
+
+
+def _mean_score(boxes: list[DetBox]) -> float:
+    return round(sum(b[4] for b in boxes) / len(boxes), 4) if boxes else 1.0

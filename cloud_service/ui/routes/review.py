@@ -80,7 +80,9 @@ def bulk(
     back: Annotated[str, Form(max_length=4096)] = "",
     confirm: Annotated[str, Form(max_length=8)] = "",
 ) -> Response:
-    """Confirm, relabel or discard the ticked samples; a discard asks first, then can be undone."""
+    """Confirm, relabel or discard the ticked samples; a discard asks first, then can be undone.
+
+    Confirming a detection sample takes the teacher's boxes."""
     request.state.ui_back = "/ui/queue?" + back.lstrip("?")  # for the error page
     chosen = list(dict.fromkeys(ids))
     if action == "discard" and confirm != "yes":
@@ -193,8 +195,12 @@ def sample_neighbour(
 
 
 class ReviewIn(BaseModel):
+    """A review: ``label`` for a classification sample, ``boxes`` for a detection one
+    (``[[x1, y1, x2, y2, class], ...]``, fractions of the frame; the store checks them)."""
+
     action: str = Field(pattern="^(label|discard)$")
     label: int | None = Field(default=None, ge=0, le=999)
+    boxes: list[Any] | None = None
     token: str = Field(max_length=64)
     query: str = Field(default="", max_length=4096)
 
@@ -215,6 +221,7 @@ def review(
         label=body.label,
         token=body.token,
         reviewer=user.username,
+        boxes=body.boxes,
     )
     flt = store.QueueFilter.from_query(_parse_qs(body.query))
     classes = store.class_names_for(session=session, state=state)

@@ -76,6 +76,12 @@ var EdgeLoop = (function () {
 
     function el(id) { return document.getElementById(id); }
     function say(text, kind) { var m = el("message"); m.textContent = text || ""; m.className = "message " + (kind || ""); }
+    // Detection samples are reviewed box by box (boxes.js); the page switches per sample.
+    var editor = window.EdgeLoopBoxes && el("boxes") ? EdgeLoopBoxes.editor({
+      img: el("image"), svg: el("boxes"), list: el("box-list"), select: el("box-class"),
+      count: el("box-count"), onEdit: function (text) { say(text); }
+    }) : null;
+    function detection() { return editor !== null && sample.task === "detection"; }
 
     function labelled(node, index, name) {
       // The digit key that picks the class (0-9), then its name; a class known only
@@ -118,6 +124,7 @@ var EdgeLoop = (function () {
       pressedAt = null;
       img.onload = function () {
         if (started !== null) window.edgeloopTimings.push(performance.now() - started);
+        if (detection()) editor.draw();  // the boxes follow the frame's displayed size
         document.body.dataset.shown = s.sample_id;
       };
       img.src = s.image_url;
@@ -130,13 +137,30 @@ var EdgeLoop = (function () {
       meta.textContent = "";
       [["Sample", s.sample_id], ["Agent", s.agent_id + " · " + s.fleet], ["Captured", s.captured_at],
        ["Model", s.model_version], ["Reason", s.route_reason + (s.review_reasons.length ? " · " + s.review_reasons.join(", ") : "")],
-       ["Status", s.status], ["Labels", s.labels.map(function (l) { return s.classes[l.label] + " by " + l.by; }).join("; ") || "none"]
+       ["Status", s.status], ["Labels", s.labels.map(function (l) {
+         return (l.boxes ? l.boxes.length + (l.boxes.length === 1 ? " box" : " boxes") : s.classes[l.label]) + " by " + l.by;
+       }).join("; ") || "none"]
       ].forEach(function (pair) {
         var dt = document.createElement("dt"); dt.textContent = pair[0];
         var dd = document.createElement("dd"); dd.textContent = pair[1];
         if (pair[0] === "Status") dd.id = "status";
         meta.appendChild(dt); meta.appendChild(dd);
       });
+      var det = detection();
+      el("review").classList.toggle("detection", det);
+      el("classification-panel").hidden = det;
+      el("detection-panel").hidden = !det;
+      el("hint-classification").hidden = det;
+      el("hint-detection").hidden = !det;
+      if (det) {
+        el("det-edge-summary").textContent = s.edge_boxes.length + (s.edge_boxes.length ? " (mean score " + s.edge_confidence.toFixed(2) + ")" : "");
+        el("det-teacher-summary").textContent = s.teacher_boxes === null ? "—" : String(s.teacher_boxes.length);
+        el("diff-summary").textContent = EdgeLoopBoxes.summary(s);
+        editor.load(s);
+        history.replaceState(null, "", "/ui/review/" + s.sample_id + (query ? "?" + query : ""));
+        prefetchNext(s);
+        return;
+      }
       el("edge-summary").textContent = s.classes[s.edge_label] + " " + s.edge_confidence.toFixed(2);
       el("teacher-summary").textContent = s.teacher_label === null ? "—" : s.classes[s.teacher_label] + " " + s.teacher_confidence.toFixed(2);
       bars(el("edge-bars"), s.edge_scores, s.classes, s.edge_label);
@@ -173,11 +197,15 @@ var EdgeLoop = (function () {
       if (busy) return;
       busy = true;
       var body = { action: action, token: sample.token, query: query };
-      if (action === "label") body.label = selected;
+      var what = "Labelled " + sample.classes[selected] + ": ";
+      if (action === "label" && detection()) {
+        body.boxes = editor.boxes();
+        what = "Labelled " + body.boxes.length + (body.boxes.length === 1 ? " box: " : " boxes: ");
+      } else if (action === "label") body.label = selected;
       api("POST", "/ui/api/samples/" + sample.sample_id + "/review", body).then(function (data) {
         undoStack.push(data.undo);
         if (undoStack.length > 50) undoStack.shift();
-        say((action === "discard" ? "Discarded " : "Labelled " + sample.classes[selected] + ": ") + sample.sample_id.slice(0, 8) + " (U undoes)", "ok");
+        say((action === "discard" ? "Discarded " : what) + sample.sample_id.slice(0, 8) + " (U undoes)", "ok");
         if (data.next) render(data.next); else finished();
       }).catch(function (error) {
         say(error.message, error.status === 409 ? "conflict" : "error");
@@ -196,6 +224,8 @@ var EdgeLoop = (function () {
     }
 
     function undo() {
+      // On a detection sample the page's own edits go first, then the reviews sent.
+      if (detection() && !busy && editor.undo()) return;
       var last = undoStack.pop();
       if (!last || busy) { say("Nothing to undo."); return; }
       busy = true;
@@ -210,10 +240,27 @@ var EdgeLoop = (function () {
     el("confirm").addEventListener("click", function () { pressedAt = performance.now(); act("label"); });
     el("discard").addEventListener("click", function () { pressedAt = performance.now(); act("discard"); });
     el("undo").addEventListener("click", undo);
+    el("accept-teacher").addEventListener("click", function () { editor.acceptTeacher(); this.blur(); });
+    el("accept-edge").addEventListener("click", function () { editor.acceptEdge(); this.blur(); });
+
+    function boxKey(event) {
+      // The box editor's keys on a detection sample; true when the key was one of them.
+      var key = event.key;
+      if (key === "Tab") editor.select(event.shiftKey ? -1 : 1);
+      else if (key === "Delete" || key === "Backspace") editor.deleteSelected();
+      else if (/^[0-9]$/.test(key)) editor.setClass(Number(key));
+      else if (key === "t" || key === "T") editor.acceptTeacher();
+      else if (key === "e" || key === "E") editor.acceptEdge();
+      else return false;
+      event.preventDefault();
+      return true;
+    }
+
     document.addEventListener("keydown", function (event) {
       if (typing(event) || event.altKey || event.metaKey) return;
       var key = event.key;
       if (event.ctrlKey) { if (key === "z") { undo(); event.preventDefault(); } return; }
+      if (detection() && boxKey(event)) return;
       if (/^[0-9]$/.test(key)) {
         var n = Number(key); if (n < sample.classes.length) choose(n); event.preventDefault();
       } else if (key === "Enter") { pressedAt = performance.now(); act("label"); event.preventDefault(); }

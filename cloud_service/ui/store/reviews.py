@@ -5,10 +5,17 @@ and the id of its newest label, ``"flagged:0"``); a write whose token no longer
 matches is refused with ConflictError (409) instead of overwriting what another
 reviewer did meanwhile. The status check is a conditional UPDATE, so two reviewers
 racing on PostgreSQL cannot both win.
+
+A detection sample (its ``edge_boxes`` are not NULL) is reviewed box by box: its view
+carries the edge's and the teacher's boxes, what differs between them (per box, from
+:func:`shared.tasks.detection.match`) and its class names; its label is a list of
+boxes, stored with the Label row (``label`` is then the first box's class, or 0 for an
+empty frame). A classification sample's view and review are as they always were.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,16 +23,23 @@ from typing import Any
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
-from cloud_service.db.models import Label, Sample, Verdict
+from cloud_service.db.models import FleetModel, Label, ModelVersion, Sample, Verdict
 from cloud_service.errors import ConflictError, NotFoundError
 from cloud_service.ui.store.classes import ClassNames
 from cloud_service.ui.store.queue import MAX_BULK, SAMPLE_STATUSES
 from shared.errors import ContractError
+from shared.tasks.contract import Box
+from shared.tasks.detection import match
 
 __all__ = [
+    "BOX_FORM",
+    "MAX_BOXES",
     "BulkResult",
     "ReviewResult",
+    "box_differences",
     "bulk_review",
+    "checked_label_boxes",
+    "detection_classes",
     "review_sample",
     "review_token",
     "sample_view",
@@ -40,6 +54,14 @@ def review_token(*, session: Session, sample: Sample) -> str:
     return f"{sample.status}:{newest or 0}"
 
 
+MAX_BOXES = 300  # boxes a reviewer may put in one frame
+BOX_FORM = (
+    "[x1, y1, x2, y2, class] per box, corners as fractions of the frame "
+    "(0 <= x1 < x2 <= 1, 0 <= y1 < y2 <= 1), class an integer class index"
+)
+DIGIT_KEYS = 10  # classes the review page's digit keys reach; unnamed classes get these many
+
+
 def sample_view(
     *,
     session: Session,
@@ -48,16 +70,29 @@ def sample_view(
     classes: ClassNames,
     with_labels: bool = True,
 ) -> dict[str, Any]:
-    """A sample as the review page's JavaScript draws it (JSON-safe)."""
+    """A sample as the review page's JavaScript draws it (JSON-safe).
+
+    A detection sample's view adds ``task: "detection"`` and its boxes (see
+    :func:`_detection_fields`); a classification sample's has no ``task`` key.
+    """
     labels: list[dict[str, Any]] = []
+    rows: list[Label] = []
     if with_labels:
-        labels = [
-            {"label": label.label, "by": label.labeled_by, "at": label.created_at.isoformat()}
-            for label in session.scalars(
+        rows = list(
+            session.scalars(
                 select(Label).where(Label.sample_id == sample.sample_id).order_by(Label.id)
             )
-        ]
-    return {
+        )
+        for label in rows:
+            entry: dict[str, Any] = {
+                "label": label.label,
+                "by": label.labeled_by,
+                "at": label.created_at.isoformat(),
+            }
+            if label.boxes is not None:
+                entry["boxes"] = label.boxes
+            labels.append(entry)
+    view: dict[str, Any] = {
         "sample_id": sample.sample_id,
         "agent_id": sample.agent_id,
         "fleet": sample.fleet,
@@ -77,6 +112,135 @@ def sample_view(
         "token": review_token(session=session, sample=sample),
         "image_url": f"/ui/samples/{sample.sample_id}/image",
     }
+    if sample.edge_boxes is not None:
+        if not with_labels:
+            newest = session.scalars(
+                select(Label).where(Label.sample_id == sample.sample_id).order_by(Label.id.desc())
+            ).first()
+            rows = [newest] if newest is not None else []
+        view.update(_detection_fields(session, sample, verdict, rows))
+    return view
+
+
+def _detection_fields(
+    session: Session, sample: Sample, verdict: Verdict | None, labels: Sequence[Label]
+) -> dict[str, Any]:
+    """What the box editor draws: both answers' boxes, the newest human boxes, and which
+    boxes differ (``differences`` is None until the teacher has answered)."""
+    edge = [list(b) for b in sample.edge_boxes or []]
+    teacher = [list(b) for b in verdict.boxes or []] if verdict is not None else None
+    human = next((list(label.boxes) for label in reversed(labels) if label.boxes is not None), None)
+    seen = [*edge, *(teacher or []), *(human or [])]
+    needed = max((int(b[5]) + 1 for b in seen), default=0)
+    return {
+        "task": "detection",
+        "classes": detection_classes(session=session, sample=sample, needed=needed),
+        "edge_boxes": edge,
+        "teacher_boxes": teacher,
+        "label_boxes": human,
+        "differences": box_differences(edge, teacher) if teacher is not None else None,
+    }
+
+
+def box_differences(
+    edge: Sequence[Sequence[float]], teacher: Sequence[Sequence[float]]
+) -> dict[str, Any]:
+    """Which boxes of the two answers differ, per box, by :func:`match` (IoU matching).
+
+    ``teacher[i]`` is "matched", "missed", "wrong_class" or "localisation";
+    ``edge[j]`` is "matched", "extra", or the kind of the teacher box it pairs with
+    ("wrong_class", "localisation"), so both sides of a differing pair stand out.
+    ``pairs`` are ``[edge index, teacher index, IoU]`` of every pairing, ``kinds`` the
+    kinds of difference present.
+    """
+    found = match([_box(b) for b in edge], [_box(b) for b in teacher])
+    edge_status = ["extra"] * len(edge)
+    teacher_status = ["missed"] * len(teacher)
+    pairs: list[list[float]] = []
+    wrong = set(found.wrong_class)
+    for s, t, iou in found.pairs:
+        kind = "wrong_class" if (s, t) in wrong else "matched"
+        edge_status[s] = teacher_status[t] = kind
+        pairs.append([s, t, round(iou, 4)])
+    for s, t, iou in found.localisation:
+        edge_status[s] = teacher_status[t] = "localisation"
+        pairs.append([s, t, round(iou, 4)])
+    return {
+        "edge": edge_status,
+        "teacher": teacher_status,
+        "pairs": sorted(pairs),
+        "kinds": list(found.differences),
+    }
+
+
+def _box(row: Sequence[float]) -> Box:
+    return (float(row[0]), float(row[1]), float(row[2]), float(row[3]), float(row[4]), int(row[5]))
+
+
+def detection_classes(*, session: Session, sample: Sample, needed: int = 0) -> list[str]:
+    """The class names of a detection sample's model, from the registry's manifests.
+
+    In order: the sample's own model version, the version its fleet serves, the
+    newest registered version of the same model name; the first whose labels cover
+    every class index in use (``needed``). Else indices "0".."n-1", at least as many
+    as the digit keys reach. (A detection sample's ``edge_scores`` are its boxes'
+    scores, so ClassNames' count check does not apply to it.)
+    """
+    wanted: list[tuple[str, str | None]] = [(sample.model_name, sample.model_version)]
+    serving = session.get(FleetModel, sample.fleet) if sample.fleet else None
+    if serving is not None:
+        wanted.append((serving.model_name, serving.version))
+    wanted.append((sample.model_name, None))
+    for name, version in wanted:
+        stmt = select(ModelVersion.manifest).where(ModelVersion.name == name)
+        if version is not None:
+            stmt = stmt.where(ModelVersion.version == version)
+        for manifest in session.scalars(stmt.order_by(ModelVersion.id.desc()).limit(20)):
+            labels = manifest.get("labels") if isinstance(manifest, dict) else None
+            if isinstance(labels, list) and labels and len(labels) >= needed:
+                return [str(x) for x in labels]
+    return [str(i) for i in range(max(needed, DIGIT_KEYS))]
+
+
+def checked_label_boxes(boxes: Any, classes: int) -> list[list[float | int]]:
+    """A reviewer's boxes ``[x1, y1, x2, y2, class]`` as stored rows (score 1.0 added).
+
+    Refused with a ContractError (422) that names the accepted form: more than
+    MAX_BOXES boxes, a box that is not five finite numbers, corners outside the frame
+    or not ordered, a class that is not an integer index below ``classes``.
+    """
+    if not isinstance(boxes, list | tuple):
+        raise ContractError(f"boxes must be a list of {BOX_FORM}", reason="invalid_boxes")
+    if len(boxes) > MAX_BOXES:
+        raise ContractError(
+            f"{len(boxes)} boxes: a frame takes at most {MAX_BOXES} boxes", reason="invalid_boxes"
+        )
+    rows: list[list[float | int]] = []
+    for i, box in enumerate(boxes):
+        numbers = isinstance(box, list | tuple) and all(
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in box
+        )
+        if not numbers or len(box) != 5:
+            raise ContractError(f"box {i} is {box!r}: expected {BOX_FORM}", reason="invalid_boxes")
+        x1, y1, x2, y2 = (float(v) for v in box[:4])
+        if not (0.0 <= x1 < x2 <= 1.0 and 0.0 <= y1 < y2 <= 1.0):
+            raise ContractError(
+                f"box {i} {list(box)} is not inside the frame: expected {BOX_FORM}",
+                reason="invalid_boxes",
+            )
+        cls = box[4]
+        if float(cls) != int(cls) or not 0 <= int(cls) < classes:
+            raise ContractError(
+                f"box {i} has class {cls}: a class is an integer 0..{classes - 1}",
+                reason="invalid_boxes",
+            )
+        rows.append([x1, y1, x2, y2, 1.0, int(cls)])
+    return rows
+
+
+def human_boxes(boxes: Sequence[Sequence[float]]) -> list[list[float | int]]:
+    """Boxes a human accepted (a teacher's, an edge's) as label rows: score 1.0."""
+    return [[float(b[0]), float(b[1]), float(b[2]), float(b[3]), 1.0, int(b[5])] for b in boxes]
 
 
 @dataclass(frozen=True)
@@ -90,6 +254,7 @@ class ReviewResult:
     label_id: int | None
     token: str
     undo: dict[str, Any] = field(default_factory=dict)
+    boxes: list[list[float | int]] | None = None  # a detection label's stored boxes
 
 
 def _set_status(session: Session, sample_id: str, expected: str, new: str) -> bool:
@@ -110,8 +275,14 @@ def review_sample(
     label: int | None,
     token: str,
     reviewer: str,
+    boxes: Any = None,
 ) -> ReviewResult:
-    """Confirm or relabel (``action="label"``) or discard a sample, if ``token`` still holds."""
+    """Confirm or relabel (``action="label"``) or discard a sample, if ``token`` still holds.
+
+    A detection sample is labelled with ``boxes`` (:data:`BOX_FORM`, checked by
+    :func:`checked_label_boxes`; ``label`` is ignored), a classification sample with
+    ``label``; sending the other kind is refused.
+    """
     sample = session.get(Sample, sample_id)
     if sample is None:
         raise NotFoundError(f"sample {sample_id} is not stored")
@@ -119,9 +290,24 @@ def review_sample(
     if token != current:
         raise ConflictError(_conflict_message(session, sample, current))
     previous = sample.status
+    rows: list[list[float | int]] | None = None
     if action == "discard":
-        new_status, label_id = "discarded", None
+        new_status = "discarded"
+    elif action == "label" and sample.edge_boxes is not None:
+        if boxes is None:
+            raise ContractError(
+                f"a detection sample is labelled with boxes: a list of {BOX_FORM}",
+                reason="invalid_boxes",
+            )
+        rows = checked_label_boxes(boxes, len(_classes_of(session, sample)))
+        label = int(rows[0][5]) if rows else 0
+        new_status = "reviewed"
     elif action == "label":
+        if boxes is not None:
+            raise ContractError(
+                "this is a classification sample: label it with a class index, not boxes",
+                reason="invalid_label",
+            )
         n = len(sample.edge_scores)
         if label is None or not 0 <= label < n:
             raise ContractError(
@@ -136,7 +322,7 @@ def review_sample(
         raise ConflictError(_conflict_message(session, sample, None))
     label_id = None
     if action == "label":
-        record = Label(sample_id=sample_id, label=int(label or 0), labeled_by=reviewer)
+        record = Label(sample_id=sample_id, label=int(label or 0), boxes=rows, labeled_by=reviewer)
         session.add(record)
         session.flush()
         label_id = record.id
@@ -151,7 +337,16 @@ def review_sample(
         label_id=label_id,
         token=new_token,
         undo=undo,
+        boxes=rows,
     )
+
+
+def _classes_of(session: Session, sample: Sample) -> list[str]:
+    """A detection sample's class names, covering the classes its answers use."""
+    verdict = session.scalars(select(Verdict).where(Verdict.sample_id == sample.sample_id)).first()
+    seen = [*(sample.edge_boxes or []), *((verdict.boxes or []) if verdict else [])]
+    needed = max((int(b[5]) + 1 for b in seen), default=0)
+    return detection_classes(session=session, sample=sample, needed=needed)
 
 
 def _conflict_message(session: Session, sample: Sample, current: str | None) -> str:
@@ -209,6 +404,9 @@ def bulk_review(
 ) -> BulkResult:
     """Review many samples; ``confirm`` takes each one's teacher label.
 
+    For a detection sample ``confirm`` takes the teacher's boxes (the edge's when the
+    teacher has not answered); ``relabel`` (one class for a whole frame) refuses it.
+
     ``label`` (relabel) is a class name or index, checked against each sample's own
     classes; a sample that does not have it refuses the whole action. A sample no
     longer in ``expected_status`` (someone else reviewed it) is skipped and
@@ -233,9 +431,21 @@ def bulk_review(
             skipped.append(sample_id)
             continue
         chosen: int | None = None
+        boxes: list[list[float | int]] | None = None
+        detection = sample.edge_boxes is not None
         if action == "confirm":
             verdict = verdicts.get(sample_id)
             chosen = verdict.label if verdict else sample.edge_predicted
+            if detection:
+                taken = verdict.boxes if verdict and verdict.boxes is not None else None
+                boxes = human_boxes(taken if taken is not None else sample.edge_boxes or [])
+                chosen = int(boxes[0][5]) if boxes else 0
+        elif action == "relabel" and detection:
+            raise ContractError(
+                f"sample {sample_id} is a detection sample: relabel takes classification "
+                "samples only; edit its boxes on its review page, or confirm the teacher's",
+                reason="invalid_label",
+            )
         elif action == "relabel":
             chosen = classes.index(sample, label.strip())
         new_status = "discarded" if action == "discard" else "reviewed"
@@ -243,7 +453,7 @@ def bulk_review(
             skipped.append(sample_id)
             continue
         if chosen is not None:
-            session.add(Label(sample_id=sample_id, label=chosen, labeled_by=reviewer))
+            session.add(Label(sample_id=sample_id, label=chosen, boxes=boxes, labeled_by=reviewer))
         done.append((sample_id, expected_status))
     session.flush()
     return BulkResult(action=action, done=done, skipped=skipped)
