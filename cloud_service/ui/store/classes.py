@@ -99,9 +99,18 @@ class ClassNames:
             self._fleets[fleet] = (record.model_name, record.version) if record else None
         return self._fleets[fleet]
 
-    def of(self, model_name: str, model_version: str, n: int, *, fleet: str = "") -> list[str]:
-        """The names of the classes 0..n-1 of this model version."""
-        key = (model_name, model_version, fleet, n)
+    def of(
+        self,
+        model_name: str,
+        model_version: str,
+        n: int,
+        *,
+        fleet: str = "",
+        at_least: bool = False,
+    ) -> list[str]:
+        """The names of the classes 0..n-1 of this model version (``at_least``: a list
+        that covers them, for a detector, whose answers do not say how many it has)."""
+        key = (model_name, model_version, fleet, -n if at_least else n)
         if key in self._memo:
             return self._memo[key]
         candidates: list[list[str]] = []
@@ -114,11 +123,17 @@ class ClassNames:
             ]
         candidates += [labels for _, labels in registered]
         candidates.append(self._fallback)
-        names = next((c for c in candidates if len(c) == n), None) or _index_names(n)
+        fits = (lambda c: len(c) >= max(n, 1)) if at_least else (lambda c: len(c) == n)
+        names = next((c for c in candidates if fits(c)), None) or _index_names(n)
         self._memo[key] = names
         return names
 
     def for_sample(self, sample: Sample) -> list[str]:
+        if sample.edge_boxes is not None:  # a detector's: its scores are per box
+            used = max((int(b[-1]) for b in sample.edge_boxes), default=-1) + 1
+            return self.of(
+                sample.model_name, sample.model_version, used, fleet=sample.fleet, at_least=True
+            )
         return self.of(
             sample.model_name, sample.model_version, len(sample.edge_scores), fleet=sample.fleet
         )
