@@ -99,16 +99,33 @@ def topics(request: pytest.FixtureRequest) -> Topics:
 
 
 @pytest.fixture(scope="session")
-def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("model-cache")
+def model_cache() -> Path:
+    """Where the reference models tests share are cached, across runs.
+
+    ``EDGELOOP_TEST_MODEL_CACHE``, else ``~/.cache/edgeloop/test-models``. An entry is
+    keyed by everything it was made from (``distill.cache``) and written whole or not
+    at all under a lock, so runs can share it; a fresh machine trains once.
+    """
+    configured = os.environ.get("EDGELOOP_TEST_MODEL_CACHE")
+    path = Path(configured) if configured else Path.home() / ".cache" / "edgeloop" / "test-models"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="session")
 def quick_models(model_cache: Path) -> Any:
-    """The quick reference teacher/student (about 20 s to train on two cores), once a run."""
+    """The quick reference teacher/student (about 20 s to train on two cores), once."""
     from distill.cache import bootstrap_reference_models
 
     return bootstrap_reference_models(model_cache, quick=True)
+
+
+@pytest.fixture(scope="session")
+def quick_detectors(model_cache: Path) -> Any:
+    """The quick reference detector pair (``distill.detector_cache``), once."""
+    from distill.detector_cache import bootstrap_reference_detectors
+
+    return bootstrap_reference_detectors(model_cache, quick=True)
 
 
 @pytest.fixture(scope="session")
