@@ -85,9 +85,9 @@ def test_reference_model_path(
 
 
 @pytest.mark.slow
-def test_incomplete_entry_is_rebuilt(model_cache: Path, quick_models: ReferenceModels) -> None:
+def test_incomplete_entry_is_rebuilt(quick_models: ReferenceModels, tmp_path: Path) -> None:
     """A damaged entry (a file deleted by hand) is detected and rebuilt, not served."""
-    scratch = model_cache.parent / "damaged-cache"
+    scratch = tmp_path / "damaged-cache"
     scratch.mkdir()
     teacher_dir = quick_models.teacher_onnx.parent
     target = scratch / teacher_dir.name
