@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -34,6 +37,33 @@ app.add_typer(jobs_app, name="jobs")
 app.add_typer(sim_app, name="sim")
 
 
+class LoopTask(StrEnum):
+    classification = "classification"
+    detection = "detection"
+
+
+TaskOption = typer.Option(
+    LoopTask.classification,
+    "--task",
+    help="classification (the digits) or detection (several digits per conveyor frame).",
+)
+
+
+def _detection_loop(
+    settings: EdgeLoopSettings, *, quick: bool, drift: str, rounds: int, as_json: bool
+) -> dict[str, Any]:
+    """``edgeloop loop --task detection`` (``simulations.loop_detection``)."""
+    from simulations.loop_detection import DetectionLoopConfig, run_detection_loop
+
+    report = run_detection_loop(
+        DetectionLoopConfig(quick=quick, drift=drift, rounds=rounds),
+        work_dir=settings.data_dir,
+    )
+    if as_json:
+        print_json(report)
+    return report
+
+
 @app.command("demo")
 def demo(
     config: Path | None = ConfigOption,
@@ -52,12 +82,19 @@ def demo(
         2, min=1, max=10, help="Distillation rounds (the last one is the steady state)."
     ),
     quick: bool = typer.Option(False, "--quick", help="Small, fast-trained reference models."),
+    task: LoopTask = TaskOption,
     as_json: bool = JsonOption,
 ) -> None:
     """The closed loop on embedded defaults: drift, trigger, jobs, delivery, recovery."""
     from simulations.demo import run_demo
 
     settings = load_settings(EdgeLoopSettings, config)
+    if task is LoopTask.detection:
+        report = _detection_loop(settings, quick=quick, drift=drift, rounds=rounds, as_json=as_json)
+        out_dir = out or settings.data_dir / "demo"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "loop-detection.json").write_text(json.dumps(report, indent=1, default=str))
+        return
     run_demo(
         settings,
         quick=quick,
@@ -89,12 +126,16 @@ def closed_loop(
         16, min=1, max=64, help="Renders of each stream scan (distinct camera frames)."
     ),
     quick: bool = typer.Option(False, "--quick", help="Small, fast-trained reference models."),
+    task: LoopTask = TaskOption,
     as_json: bool = JsonOption,
 ) -> None:
     """The closed loop: drift, trigger, distillation rounds, delivery, recovery; a table."""
     from simulations.closed_loop import run_closed_loop
 
     settings = load_settings(EdgeLoopSettings, config)
+    if task is LoopTask.detection:
+        _detection_loop(settings, quick=quick, drift=drift, rounds=rounds, as_json=as_json)
+        return
     result = run_closed_loop(
         settings,
         quick=quick,
