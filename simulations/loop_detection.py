@@ -217,6 +217,8 @@ def run_detection_loop(
     )
     rng = np.random.default_rng(config.seed)
     rounds: list[dict[str, Any]] = []
+    if work_dir is not None:
+        work_dir.mkdir(parents=True, exist_ok=True)  # a fresh machine's data dir
     with tempfile.TemporaryDirectory(prefix="edgeloop-detloop-", dir=work_dir) as tmp:
         for k in range(1, config.rounds + 1):
             edge = _edge_pass(serving_onnx, live.frames, config.seed + k, config.threads)

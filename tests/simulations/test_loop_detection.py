@@ -18,7 +18,7 @@ def test_one_round_reports_the_table_the_gate_and_the_goals(
     report = run_detection_loop(
         quick_config(rounds=1, round_epochs=2, drift="blur:0.5"),
         cache_dir=model_cache,
-        work_dir=tmp_path,
+        work_dir=tmp_path / "fresh" / "data",
         console=Console(file=out, width=120),
     )
     assert report["task"] == "detection" and report["drift"] == "blur:0.5"
