@@ -41,6 +41,11 @@ def _wanted(request: V2InferRequest, info: ModelInfo) -> _Wanted:
         raise V2Error(f"output {info.output_name!r}: shared memory is not supported")
     binary = out.binary_data if out is not None and out.binary_data is not None else default_binary
     classes = out.classification if out is not None and out.classification else 0
+    if classes and info.task != "classification":
+        raise V2Error(
+            f"output {info.output_name!r}: classification answers a classifier's scores;"
+            f" this model answers the {info.task} task"
+        )
     return _Wanted(binary, classes)
 
 

@@ -11,6 +11,7 @@ from cloud_service.api.routes.v2.protocol import INPUT_DATATYPE, OUTPUT_DATATYPE
 from cloud_service.api.routes.v2.reading import MAX_ELEMENTS
 from cloud_service.verifier import ModelInfo, TeacherModel
 from cloud_service.web.state import ApiState
+from shared.tasks import DETECTION
 
 __all__ = ["config_document", "metadata_document", "served_teacher", "server_version"]
 
@@ -40,6 +41,14 @@ def _output_width(info: ModelInfo) -> int:
     return len(info.labels) if info.labels else -1
 
 
+def _output_dims(info: ModelInfo) -> list[int]:
+    """The output's dims after the batch axis: a classifier's scores per class, a
+    detector's rows of ``x1, y1, x2, y2, score, class`` (``shared.tasks.detection``)."""
+    if info.task == DETECTION.name:
+        return [-1, 6]
+    return [_output_width(info)]
+
+
 def metadata_document(name: str, info: ModelInfo) -> dict[str, Any]:
     return {
         "name": name,
@@ -52,10 +61,10 @@ def metadata_document(name: str, info: ModelInfo) -> dict[str, Any]:
             {
                 "name": info.output_name,
                 "datatype": OUTPUT_DATATYPE,
-                "shape": [-1, _output_width(info)],
+                "shape": [-1, *_output_dims(info)],
             }
         ],
-        "parameters": {"labels": list(info.labels), "provider": info.provider},
+        "parameters": {"labels": list(info.labels), "provider": info.provider, "task": info.task},
     }
 
 
@@ -65,12 +74,12 @@ def config_document(name: str, info: ModelInfo) -> dict[str, Any]:
     if -1 in dims:
         # Frames of any size: no batch bound that holds for every size, so the batch
         # axis is written into the dims (Triton's max_batch_size 0).
-        max_batch, input_dims, output_dims = 0, [-1, *dims], [-1, _output_width(info)]
+        max_batch, input_dims, output_dims = 0, [-1, *dims], [-1, *_output_dims(info)]
     else:
         max_batch, input_dims, output_dims = (
             MAX_ELEMENTS // math.prod(dims),
             dims,
-            [_output_width(info)],
+            _output_dims(info),
         )
     on_gpu = info.provider in {"CUDAExecutionProvider", "TensorrtExecutionProvider"}
     return {
