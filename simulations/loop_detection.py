@@ -67,7 +67,8 @@ class DetectionLoopConfig:
     max_samples: int = 400  # forwarded frames a round trains on
     human_share: float = 0.25  # of the frames where edge and teacher differ
     round_epochs: int = 0  # 0: the reference student's own
-    replay_frames: int = 300
+    replay_frames: int = 600  # labelled reference frames replayed against forgetting
+    replay_share: float = 0.5  # of each epoch
     threads: int = 1
     seed: int = 0
 
@@ -211,7 +212,7 @@ def run_detection_loop(
     student_cfg = reference.student
     round_cfg = student_cfg.with_(
         threads=config.threads,
-        replay_share=0.3,
+        replay_share=config.replay_share,
         epochs=config.round_epochs or student_cfg.epochs,
         seed=config.seed + 1,
     )
