@@ -17,21 +17,19 @@ chance.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from rich.console import Console
 
-from distill._io import atomic_write_json
+from distill._io import atomic_write_json, build_entry, cache_lock
 from distill.evaluate import OnnxClassifier, evaluate
 from distill.export import export_onnx
 from distill.frames import FrameSet
@@ -177,39 +175,6 @@ def _entry_dir(cache_dir: Path, role: str, key: str) -> Path:
 
 def _complete(entry: Path, role: str) -> bool:
     return all((entry / f).is_file() for f in _FILES[role])
-
-
-@contextlib.contextmanager
-def _locked(cache_dir: Path, name: str) -> Iterator[None]:
-    """Hold an exclusive lock on ``cache_dir/.locks/<name>`` (no-op where flock is missing)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield
-        return
-    locks = cache_dir / ".locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / name, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def _building(cache_dir: Path, role: str, key: str) -> Iterator[Path]:
-    """A scratch folder that becomes the entry by one rename if the block succeeds."""
-    final = _entry_dir(cache_dir, role, key)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{role}-{key}-", dir=cache_dir))
-    try:
-        yield tmp
-        if final.exists():  # an incomplete leftover; a complete one was checked for earlier
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _read_metrics(entry: Path) -> dict[str, Any]:
@@ -410,15 +375,15 @@ def bootstrap_reference_models(
     t_key, s_key = cfg.teacher_key(), cfg.student_key()
 
     t_dir = _entry_dir(cache_dir, "teacher", t_key)
-    with _locked(cache_dir, f"teacher-{t_key}"):
+    with cache_lock(cache_dir, f"teacher-{t_key}"):
         if not _complete(t_dir, "teacher"):
-            with _building(cache_dir, "teacher", t_key) as tmp:
+            with build_entry(cache_dir, _entry_dir(cache_dir, "teacher", t_key).name) as tmp:
                 _build_teacher(cfg, t_key, tmp, progress=progress, console=console)
             built.append("teacher")
     s_dir = _entry_dir(cache_dir, "student", s_key)
-    with _locked(cache_dir, f"student-{s_key}"):
+    with cache_lock(cache_dir, f"student-{s_key}"):
         if not _complete(s_dir, "student"):
-            with _building(cache_dir, "student", s_key) as tmp:
+            with build_entry(cache_dir, _entry_dir(cache_dir, "student", s_key).name) as tmp:
                 _build_student(
                     cfg, s_key, t_dir / "teacher.onnx", tmp, progress=progress, console=console
                 )
