@@ -487,15 +487,7 @@ def label_studio(
             )
         tasks.append(
             {
-                "data": {
-                    "image": image_url(row.sample_id),
-                    "sample_id": row.sample_id,
-                    "agent_id": row.agent_id,
-                    "fleet": row.fleet,
-                    "captured_at": row.captured_at.isoformat(),
-                    "status": row.status,
-                    "labeled_by": row.labeled_by if row.source == "human" else None,
-                },
+                "data": _task_data(row, image_url),
                 "predictions": predictions,
                 "annotations": annotations,
             }
@@ -528,15 +520,20 @@ def _label_studio_boxes(row: ExportRow, image_url: Callable[[str], str]) -> dict
             }
         )
     return {
-        "data": {
-            "image": image_url(row.sample_id),
-            "sample_id": row.sample_id,
-            "agent_id": row.agent_id,
-            "fleet": row.fleet,
-            "captured_at": row.captured_at.isoformat(),
-            "status": row.status,
-            "labeled_by": row.labeled_by if row.source == "human" else None,
-        },
+        "data": _task_data(row, image_url),
         "predictions": predictions,
         "annotations": annotations,
+    }
+
+
+def _task_data(row: ExportRow, image_url: Callable[[str], str]) -> dict[str, Any]:
+    """A Label Studio task's ``data``: the image's URL and where the sample came from."""
+    return {
+        "image": image_url(row.sample_id),
+        "sample_id": row.sample_id,
+        "agent_id": row.agent_id,
+        "fleet": row.fleet,
+        "captured_at": row.captured_at.isoformat(),
+        "status": row.status,
+        "labeled_by": row.labeled_by if row.source == "human" else None,
     }
