@@ -69,6 +69,7 @@ class DetectionLoopConfig:
     round_epochs: int = 0  # 0: the reference student's own
     replay_frames: int = 600  # labelled reference frames replayed against forgetting
     replay_share: float = 0.5  # of each epoch
+    round_lr_scale: float = 0.25  # a round fine-tunes the serving student: a gentler rate
     threads: int = 1
     seed: int = 0
 
@@ -213,6 +214,7 @@ def run_detection_loop(
     round_cfg = student_cfg.with_(
         threads=config.threads,
         replay_share=config.replay_share,
+        lr=student_cfg.lr * config.round_lr_scale,
         epochs=config.round_epochs or student_cfg.epochs,
         seed=config.seed + 1,
     )
