@@ -32,7 +32,6 @@ from shared.errors import EdgeLoopError
 from shared.images import ImageInfo
 from shared.lifecycle import Workers
 from shared.messages import Receipt, SampleHeader
-from shared.tasks import task_for
 
 __all__ = ["Forwarding"]
 
@@ -133,7 +132,7 @@ class Forwarding:
         self,
         sample_id: str,
         decision: Decision,
-        scores: np.ndarray,
+        answer: Mapping[str, Any],
         engine: Engine,
         frame: np.ndarray | None,
         bgr: bool,
@@ -146,8 +145,9 @@ class Forwarding:
     ) -> NewSample | None:
         """The spool entry for a forwarded frame; None (counted) when it cannot be made.
 
-        ``decode`` gives the full frame of an upload that was decoded at the model's
-        size only, when it must be re-encoded.
+        ``answer`` is the student's answer as its task writes it into a sample header
+        (``Task.sample_fields``). ``decode`` gives the full frame of an upload that was
+        decoded at the model's size only, when it must be re-encoded.
         """
         s = self.settings
         try:
@@ -180,7 +180,7 @@ class Forwarding:
                 captured_at=captured_at,
                 model_name=engine.name,
                 model_version=engine.version,
-                answer=task_for(getattr(engine, "task", None)).sample_fields(scores),
+                answer=answer,
                 route_reason=decision.reason,
                 priority=decision.priority,
                 source=source,

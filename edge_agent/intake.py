@@ -14,7 +14,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
@@ -345,7 +345,8 @@ class Intake:
                     forwarded.append((job, row, decision, sample_id))
                     continue
                 try:
-                    answered.append((job, self._result(job, row, batch, decision, sample_id)))
+                    answer = self.router.task.sample_fields(row)
+                    answered.append((job, self._result(job, answer, batch, decision, sample_id)))
                 except BaseException as exc:
                     job.reply(None, exc)
             self._deliver(answered)
@@ -358,11 +359,12 @@ class Intake:
         self, job: _Job, row: np.ndarray, batch: JobBatch, decision: Decision, sample_id: str
     ) -> None:
         """Spool a forwarded frame's sample, then answer it (unforwarded when that fails)."""
+        answer = self.router.task.sample_fields(row)  # once, for the header and the reply
         try:
             sample = self.forwarding.encode_sample(
                 sample_id,
                 decision,
-                row,
+                answer,
                 batch.engine,
                 job.frame,
                 job.bgr,
@@ -373,7 +375,7 @@ class Intake:
                 decode=self.decode,
             )
             if sample is None:
-                self._deliver([(job, self._result(job, row, batch, decision, sample_id))])
+                self._deliver([(job, self._result(job, answer, batch, decision, sample_id))])
                 return
         except BaseException as exc:
             job.reply(None, exc)
@@ -381,7 +383,7 @@ class Intake:
 
         def stored(ok: bool) -> None:
             try:
-                result = self._result(job, row, batch, decision, sample_id, forwarded=ok)
+                result = self._result(job, answer, batch, decision, sample_id, forwarded=ok)
             except BaseException as exc:
                 job.reply(None, exc)
             else:
@@ -392,7 +394,7 @@ class Intake:
     def _result(
         self,
         job: _Job,
-        row: np.ndarray,
+        answer: Mapping[str, Any],  # the task's sample-header fields of the frame's output
         batch: JobBatch,
         decision: Decision,
         sample_id: str,
@@ -402,7 +404,6 @@ class Intake:
         engine = batch.engine
         labels = engine.labels
         predicted = decision.predicted
-        answer = self.router.task.sample_fields(row)  # as a sample header would carry it
         return FrameResult(
             sample_id=sample_id,
             label=labels[predicted] if predicted < len(labels) else str(predicted),
