@@ -20,7 +20,18 @@ from typing import Any
 
 from bench.common import machine_info
 
-SECTIONS = ["envelope", "models", "agent", "spool", "uplink", "cloud", "delivery", "ui", "gpu"]
+SECTIONS = [
+    "envelope",
+    "models",
+    "detectors",
+    "agent",
+    "spool",
+    "uplink",
+    "cloud",
+    "delivery",
+    "ui",
+    "gpu",
+]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
