@@ -41,11 +41,13 @@ from shared.errors import ModelError
 
 __all__ = [
     "CODE_VERSION",
+    "ENTRY_FILES",
     "ReferenceConfig",
     "ReferenceModels",
     "bootstrap_reference_models",
     "cache_key",
     "default_cache_dir",
+    "entry_complete",
     "reference_model_path",
 ]
 
@@ -163,7 +165,7 @@ class ReferenceModels:
         }
 
 
-_FILES = {
+ENTRY_FILES = {  # what a complete entry of each role holds (detectors too)
     "teacher": ("teacher.pt", "teacher.onnx", "metrics.json"),
     "student": ("student.pt", "student.onnx", "student.int8.onnx", "metrics.json"),
 }
@@ -173,8 +175,9 @@ def _entry_dir(cache_dir: Path, role: str, key: str) -> Path:
     return cache_dir / f"{role}-{key}"
 
 
-def _complete(entry: Path, role: str) -> bool:
-    return all((entry / f).is_file() for f in _FILES[role])
+def entry_complete(entry: Path, role: str) -> bool:
+    """Whether a cache entry of ``role`` holds every file it should."""
+    return all((entry / f).is_file() for f in ENTRY_FILES[role])
 
 
 def _read_metrics(entry: Path) -> dict[str, Any]:
@@ -376,13 +379,13 @@ def bootstrap_reference_models(
 
     t_dir = _entry_dir(cache_dir, "teacher", t_key)
     with cache_lock(cache_dir, f"teacher-{t_key}"):
-        if not _complete(t_dir, "teacher"):
+        if not entry_complete(t_dir, "teacher"):
             with build_entry(cache_dir, _entry_dir(cache_dir, "teacher", t_key).name) as tmp:
                 _build_teacher(cfg, t_key, tmp, progress=progress, console=console)
             built.append("teacher")
     s_dir = _entry_dir(cache_dir, "student", s_key)
     with cache_lock(cache_dir, f"student-{s_key}"):
-        if not _complete(s_dir, "student"):
+        if not entry_complete(s_dir, "student"):
             with build_entry(cache_dir, _entry_dir(cache_dir, "student", s_key).name) as tmp:
                 _build_student(
                     cfg, s_key, t_dir / "teacher.onnx", tmp, progress=progress, console=console

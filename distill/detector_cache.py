@@ -32,7 +32,7 @@ from typing import Any
 from rich.console import Console
 
 from distill._io import atomic_write_json, build_entry, cache_lock
-from distill.cache import cache_key, default_cache_dir
+from distill.cache import cache_key, default_cache_dir, entry_complete
 from distill.detector_eval import OnnxDetector, evaluate_detector
 from distill.detector_export import export_detector, quantize_detector
 from distill.detector_train import (
@@ -161,18 +161,8 @@ class ReferenceDetectors:
         }
 
 
-_FILES = {
-    "teacher": ("teacher.pt", "teacher.onnx", "metrics.json"),
-    "student": ("student.pt", "student.onnx", "student.int8.onnx", "metrics.json"),
-}
-
-
 def _entry_dir(cache_dir: Path, role: str, key: str) -> Path:
     return cache_dir / f"det-{role}-{key}"
-
-
-def _complete(entry: Path, role: str) -> bool:
-    return all((entry / f).is_file() for f in _FILES[role])
 
 
 def _session(path: Path, cfg: DetectorReferenceConfig) -> OnnxDetector:
@@ -353,13 +343,13 @@ def bootstrap_reference_detectors(
 
     t_dir = _entry_dir(cache_dir, "teacher", t_key)
     with cache_lock(cache_dir, f"det-teacher-{t_key}"):
-        if not _complete(t_dir, "teacher"):
+        if not entry_complete(t_dir, "teacher"):
             with build_entry(cache_dir, _entry_dir(cache_dir, "teacher", t_key).name) as tmp:
                 _build_teacher(cfg, t_key, tmp, progress=progress, console=console)
             built.append("teacher")
     s_dir = _entry_dir(cache_dir, "student", s_key)
     with cache_lock(cache_dir, f"det-student-{s_key}"):
-        if not _complete(s_dir, "student"):
+        if not entry_complete(s_dir, "student"):
             with build_entry(cache_dir, _entry_dir(cache_dir, "student", s_key).name) as tmp:
                 _build_student(cfg, s_key, t_dir, tmp, progress=progress, console=console)
             built.append("student")

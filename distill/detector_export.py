@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -47,7 +46,14 @@ from torch import nn
 
 from distill._io import atomic_path
 from distill.detectors import MAX_DETECTIONS, FramesDetector
-from distill.export import INPUT_NAME, OPSET, read_onnx_info, write_metadata
+from distill.export import (
+    INPUT_NAME,
+    OPSET,
+    ort_optimize,
+    read_onnx_info,
+    torch_export,
+    write_metadata,
+)
 from distill.models import INPUT_SCALE, INPUT_ZERO_POINT, fuse_conv_bn
 from distill.quantize_static import DEFAULT_SETTINGS, FrameCalibrationReader, QuantSettings
 from distill.quantize_static import _fold_input as fold_camera_input
@@ -122,34 +128,6 @@ def detections_diff(a: np.ndarray, b: np.ndarray, min_score: float = _PROBE_MIN_
     return worst
 
 
-def _torch_export(model: nn.Module, path: Path, frame_size: int, opset: int) -> None:
-    dummy = torch.zeros(2, frame_size, frame_size, 3, dtype=torch.uint8)
-    with warnings.catch_warnings():
-        # The TorchScript exporter is deprecated in favour of the dynamo one, which
-        # needs onnxscript; these notices are about that and nothing else.
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
-        torch.onnx.export(
-            model,
-            (dummy,),
-            str(path),
-            dynamo=False,
-            input_names=[INPUT_NAME],
-            output_names=[DETECTIONS_NAME],
-            dynamic_axes={INPUT_NAME: {0: "batch"}, DETECTIONS_NAME: {0: "batch"}},
-            opset_version=opset,
-            do_constant_folding=True,
-        )
-
-
-def _ort_optimize(src: Path, dst: Path) -> None:
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    so.optimized_model_filepath = str(dst)
-    so.log_severity_level = 3
-    ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
-
-
 def export_detector(
     net: nn.Module,
     path: Path,
@@ -184,8 +162,8 @@ def export_detector(
     with tempfile.TemporaryDirectory(prefix="edgeloop-det-export-") as tmp:
         raw, optimized = Path(tmp) / "raw.onnx", Path(tmp) / "optimized.onnx"
         try:
-            _torch_export(deployable, raw, frame_size, opset)
-            _ort_optimize(raw, optimized)
+            torch_export(deployable, raw, frame_size, opset, DETECTIONS_NAME)
+            ort_optimize(raw, optimized)
         except Exception as exc:
             raise ModelError(f"ONNX export of {name} failed: {exc}") from exc
         model = onnx.load(str(optimized))

@@ -51,7 +51,9 @@ __all__ = [
     "ExportReport",
     "OnnxModelInfo",
     "export_onnx",
+    "ort_optimize",
     "read_onnx_info",
+    "torch_export",
     "write_metadata",
 ]
 
@@ -142,33 +144,32 @@ def read_onnx_info(path: Path) -> OnnxModelInfo:
     )
 
 
-def _torch_export(model: nn.Module, path: Path, frame_size: int, opset: int) -> None:
+def torch_export(
+    model: nn.Module, path: Path, frame_size: int, opset: int, output_name: str = OUTPUT_NAME
+) -> None:
+    """Export a uint8 NHWC ``frames`` -> ``output_name`` module, batch axis dynamic."""
     dummy = torch.zeros(2, frame_size, frame_size, 3, dtype=torch.uint8)
     with warnings.catch_warnings():
         # The TorchScript exporter is deprecated in favour of the dynamo one, which
-        # needs onnxscript; these two notices are about that and nothing else.
-        warnings.filterwarnings(
-            "ignore",
-            message=r".*legacy TorchScript-based ONNX export.*",
-            category=DeprecationWarning,
-        )
-        warnings.filterwarnings(
-            "ignore", message=r"The feature will be removed.*", category=DeprecationWarning
-        )
+        # needs onnxscript; these notices are about that (and tracing a decode whose
+        # shapes depend on the frame size) and nothing else.
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
         torch.onnx.export(
             model,
             (dummy,),
             str(path),
             dynamo=False,
             input_names=[INPUT_NAME],
-            output_names=[OUTPUT_NAME],
-            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+            output_names=[output_name],
+            dynamic_axes={INPUT_NAME: {0: "batch"}, output_name: {0: "batch"}},
             opset_version=opset,
             do_constant_folding=True,
         )
 
 
-def _ort_optimize(src: Path, dst: Path) -> None:
+def ort_optimize(src: Path, dst: Path) -> None:
+    """ONNX Runtime's offline BASIC optimisation of ``src``, saved as ``dst``."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     so.optimized_model_filepath = str(dst)
@@ -215,8 +216,8 @@ def export_onnx(
     with tempfile.TemporaryDirectory(prefix="edgeloop-export-") as tmp:
         raw, optimized = Path(tmp) / "raw.onnx", Path(tmp) / "optimized.onnx"
         try:
-            _torch_export(deployable, raw, frame_size, opset)
-            _ort_optimize(raw, optimized)
+            torch_export(deployable, raw, frame_size, opset)
+            ort_optimize(raw, optimized)
         except Exception as exc:
             raise ModelError(f"ONNX export of {name} failed: {exc}") from exc
         model = onnx.load(str(optimized))

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from shared.tasks.contract import Answer, Comparison, Signals
+from shared.tasks.contract import Answer, Comparison, Signals, unit
 
 __all__ = ["CLASSIFICATION", "ClassificationTask"]
 
@@ -72,7 +72,7 @@ class ClassificationTask:
             raise ValueError("expected a row of class scores, got none")
         label = int(row.argmax())
         scores = row.tolist()
-        return {"scores": scores, "predicted": label, "confidence": _unit(scores[label])}
+        return {"scores": scores, "predicted": label, "confidence": unit(scores[label])}
 
     def sample_answer(self, header: Any) -> Answer:
         """The edge's answer from a sample header (which the message schema has checked)."""
@@ -83,7 +83,7 @@ class ClassificationTask:
         return {
             "scores": list(answer.scores),
             "label": answer.label,
-            "confidence": _unit(answer.confidence),
+            "confidence": unit(answer.confidence),
         }
 
     def verdict_answer(self, verdict: Any) -> Answer:
@@ -110,11 +110,6 @@ class ClassificationTask:
         if not truth:
             return 0.0
         return sum(a.label == int(t) for a, t in zip(predicted, truth, strict=True)) / len(truth)
-
-
-def _unit(value: float) -> float:
-    """A confidence as the messages carry it: within [0, 1] (float rounding can overshoot)."""
-    return min(1.0, max(0.0, float(value)))
 
 
 CLASSIFICATION = ClassificationTask()

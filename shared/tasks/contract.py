@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Answer", "Box", "Comparison", "Signals", "Task"]
+__all__ = ["Answer", "Box", "Comparison", "Signals", "Task", "unit"]
 
 # A detected object: x1, y1, x2, y2 (fractions of the frame), score, class index.
 Box = tuple[float, float, float, float, float, int]
@@ -78,3 +78,9 @@ class Task(Protocol):
     def compare(self, student: Answer, teacher: Answer) -> Comparison: ...
 
     def score(self, predicted: Sequence[Answer], truth: Sequence[Any]) -> float: ...
+
+
+def unit(value: float) -> float:
+    """A score or confidence as the messages carry it: within [0, 1] (float rounding
+    can overshoot)."""
+    return min(1.0, max(0.0, float(value)))

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from shared.tasks.contract import Answer, Box, Comparison, Signals
+from shared.tasks.contract import Answer, Box, Comparison, Signals, unit
 
 __all__ = [
     "DETECTION",
@@ -242,11 +242,11 @@ class DetectionTask:
         kept = kept[np.argsort(-kept[:, 4], kind="stable")]
         return tuple(
             (
-                _unit(r[0]),
-                _unit(r[1]),
-                _unit(r[2]),
-                _unit(r[3]),
-                _unit(r[4]),
+                unit(r[0]),
+                unit(r[1]),
+                unit(r[2]),
+                unit(r[3]),
+                unit(r[4]),
                 int(r[5]),
             )
             for r in kept
@@ -309,7 +309,7 @@ class DetectionTask:
     def _fields(answer: Answer) -> dict[str, Any]:
         return {
             "scores": [b[4] for b in answer.boxes],
-            "confidence": _unit(answer.confidence),
+            "confidence": unit(answer.confidence),
             "boxes": [list(b) for b in answer.boxes],
         }
 
@@ -323,10 +323,6 @@ class DetectionTask:
     def score(self, predicted: Sequence[Answer], truth: Sequence[Any]) -> float:
         """mAP@0.5 of the answers against ground-truth boxes per frame."""
         return average_precision([a.boxes for a in predicted], truth)
-
-
-def _unit(value: float) -> float:
-    return min(1.0, max(0.0, float(value)))
 
 
 def _checked_boxes(rows: Sequence[Sequence[float]] | None) -> tuple[Box, ...]:
