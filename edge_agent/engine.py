@@ -50,7 +50,8 @@ class Engine(Protocol):
     def provider(self) -> str: ...
 
     def run(self, frames: np.ndarray) -> np.ndarray:
-        """uint8 [N, H, W, 3] RGB -> float32 [N, classes] probabilities."""
+        """uint8 [N, H, W, 3] RGB -> float32 task output: [N, classes] probabilities for
+        classification, [N, K, 6] rows for detection (``shared.tasks``)."""
         ...
 
 

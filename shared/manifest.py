@@ -40,7 +40,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from shared.errors import ConfigError, EdgeLoopError, SignatureError
 from shared.ids import UtcDatetime
-from shared.tasks import task_for
+from shared.tasks import Task, task_for
 from shared.topics import validate_id
 
 __all__ = [
@@ -160,7 +160,8 @@ class InputSpec(BaseModel):
 
 
 class GoldenCase(BaseModel):
-    """A golden input (raw uint8 array, base64) and the scores the model must give for it."""
+    """A golden input (raw uint8 array, base64) and what the model must answer for it:
+    one row per input, as the manifest's task writes it (``Task.golden_rows``)."""
 
     model_config = _CONFIG
 
@@ -264,6 +265,10 @@ class ModelManifest(BaseModel):
     def _check(self) -> ModelManifest:
         if len(set(self.labels)) != len(self.labels):
             raise ValueError("labels must be unique")
+        try:
+            task: Task | None = task_for(self.task)
+        except ValueError:  # an unknown task is agent_refusal's to name (unsupported_task)
+            task = None
         for index, case in enumerate(self.golden):
             if len(case.shape) != len(self.input.shape):
                 raise ValueError(f"golden[{index}] has shape {case.shape}, not the input's rank")
@@ -273,11 +278,12 @@ class ModelManifest(BaseModel):
                         f"golden[{index}] axis {axis} is {got}, the input needs {want}"
                     )
             for row in case.expected:
-                if len(row) != len(self.labels):
-                    raise ValueError(
-                        f"golden[{index}] expects {len(row)} scores per input,"
-                        f" but there are {len(self.labels)} labels"
-                    )
+                if task is None:
+                    break
+                try:
+                    task.check_golden_width(len(row), len(self.labels))
+                except ValueError as exc:
+                    raise ValueError(f"golden[{index}] expects {exc}") from None
         return self
 
 
@@ -341,11 +347,12 @@ def agent_refusal(
             f"model takes {spec.dtype} {spec.layout} [{', '.join(map(str, spec.shape))}];"
             f" the agent feeds uint8 NHWC {expected}",
         )
-    if spec.name != "frames" or manifest.output_name != "scores":
+    output = task_for(manifest.task).output_name
+    if spec.name != "frames" or manifest.output_name != output:
         return (
             "incompatible_input",
             f"model's tensors are {spec.name!r} -> {manifest.output_name!r};"
-            " the student contract is 'frames' -> 'scores'",
+            f" the student contract is 'frames' -> {output!r}",
         )
     return None
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from shared.errors import ContractError, ManifestError
 from shared.manifest import GoldenCase, InputSpec, ModelManifest, ModelSource
-from shared.tasks import task_for
+from shared.tasks import CLASSIFICATION, Task, task_for
 from shared.topics import validate_id
 
 __all__ = ["build_manifest", "inspect_onnx", "min_runtime_for_opset", "stamp_identity"]
@@ -73,12 +73,21 @@ def _labels_from(meta: dict[str, str]) -> list[str] | None:
     return [str(x) for x in parsed]
 
 
+def _task(meta: dict[str, str]) -> Task:
+    try:
+        return task_for(meta.get("edgeloop.task"))
+    except ValueError as exc:
+        raise _refused(f"the model's edgeloop.task: {exc}", "unsupported_task") from exc
+
+
 def inspect_onnx(data: bytes) -> dict[str, Any]:
     """Name, version, task, input spec, output, labels, opset and source of an ONNX student.
 
     Refuses (ManifestError, with the agent's reason slug) a model no agent would load:
     the student contract is one input ``frames`` uint8 [batch, H, W, 3] with a fixed H and
-    W, and an output ``scores`` [batch, classes].
+    W, and the output its task names (``edgeloop.task``): ``scores`` [batch, classes]
+    for classification, ``detections`` [batch, K, 6] for detection, whose labels must be
+    named (``edgeloop.labels``).
     """
     import onnx
 
@@ -86,15 +95,17 @@ def inspect_onnx(data: bytes) -> dict[str, Any]:
         model = onnx.load_model_from_string(data)
     except Exception as exc:  # protobuf raises its own DecodeError
         raise _refused(f"the artifact is not an ONNX model: {exc}", "not_onnx") from exc
+    meta = {p.key: p.value for p in model.metadata_props}
+    task = _task(meta)
     graph = model.graph
     initializers = {i.name for i in graph.initializer}
     inputs = [i for i in graph.input if i.name not in initializers]
     outputs = {o.name: o for o in graph.output}
     names = [i.name for i in inputs]
-    if len(inputs) != 1 or names[0] != "frames" or "scores" not in outputs:
+    if len(inputs) != 1 or names[0] != "frames" or task.output_name not in outputs:
         raise _refused(
-            f"the model's tensors are {names} -> {sorted(outputs)}; the student contract is"
-            " 'frames' -> 'scores'" + _WRAP_HINT,
+            f"the model's tensors are {names} -> {sorted(outputs)}; the {task.name} student"
+            f" contract is 'frames' -> {task.output_name!r}" + _WRAP_HINT,
             "incompatible_input",
         )
     tensor = inputs[0].type.tensor_type
@@ -112,16 +123,15 @@ def inspect_onnx(data: bytes) -> dict[str, Any]:
             " a fixed H and W" + _WRAP_HINT,
             "incompatible_input",
         )
-    out_dims = outputs["scores"].type.tensor_type.shape.dim
-    meta = {p.key: p.value for p in model.metadata_props}
+    out_dims = outputs[task.output_name].type.tensor_type.shape.dim
     labels = _labels_from(meta)
     if labels is None:
-        if len(out_dims) == 2 and out_dims[1].HasField("dim_value"):
-            labels = [str(i) for i in range(out_dims[1].dim_value)]
-        else:
+        fixed = len(out_dims) == 2 and out_dims[1].HasField("dim_value")
+        if task is not CLASSIFICATION or not fixed:
             raise _refused(
                 "the model names no labels (edgeloop.labels) and has no fixed classes", "labels"
             )
+        labels = [str(i) for i in range(out_dims[1].dim_value)]
     opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
     if opset < 1:
         raise _refused("the model imports no ai.onnx opset", "incompatible_opset")
@@ -131,17 +141,12 @@ def inspect_onnx(data: bytes) -> dict[str, Any]:
             source = ModelSource.model_validate_json(meta["edgeloop.source"])
         except ValueError as exc:  # pydantic: an older or foreign description
             log.warning("ignoring the model's edgeloop.source: %s", exc)
-    task = meta.get("edgeloop.task")
-    try:
-        task_for(task)
-    except ValueError as exc:
-        raise _refused(f"the model's edgeloop.task: {exc}", "unsupported_task") from exc
     return {
-        "task": task,
+        "task": meta.get("edgeloop.task"),
         "name": meta.get("edgeloop.name"),
         "version": meta.get("edgeloop.version"),
         "input": InputSpec(name="frames", shape=shape, dtype="uint8", layout="NHWC"),
-        "output_name": "scores",
+        "output_name": task.output_name,
         "labels": labels,
         "opset": int(opset),
         "source": source,
@@ -149,9 +154,9 @@ def inspect_onnx(data: bytes) -> dict[str, Any]:
 
 
 def _golden(
-    data: bytes, spec: InputSpec, output_name: str, atol: float, labels: Sequence[str]
+    data: bytes, spec: InputSpec, task: Task, atol: float, labels: Sequence[str]
 ) -> list[GoldenCase]:
-    """Deterministic frames and the scores this model gives them (ONNX Runtime, CPU).
+    """Deterministic frames and what this model answers for them (ONNX Runtime, CPU).
 
     This is also the check that this cloud's runtime loads and runs the model: a
     model it cannot run is refused here, before any agent is told about it.
@@ -165,31 +170,36 @@ def _golden(
     frames = rng.integers(0, 256, size=(count, *dims[1:]), dtype=np.uint8)
     try:
         session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
-        scores = session.run([output_name], {spec.name: frames.astype(spec.dtype)})[0]
+        outputs = session.run([task.output_name], {spec.name: frames.astype(spec.dtype)})[0]
     except Exception as exc:  # ORT's untyped errors, wrapped once
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise _refused(
             f"onnxruntime {ort.__version__} cannot load or run the model: {first}", "load_failed"
         ) from exc
-    scores = np.asarray(scores, dtype=np.float32)
-    if scores.ndim != 2 or scores.shape[0] != count:
+    outputs = np.asarray(outputs, dtype=np.float32)
+    try:
+        if outputs.shape[:1] != (count,):
+            raise ValueError(f"{outputs.shape[:1]} answers")
+        rows = task.golden_rows(outputs)
+    except ValueError as exc:
         raise _refused(
-            f"'scores' has shape {list(scores.shape)} for {count} frames; it must be"
-            " [batch, classes]",
+            f"{task.output_name!r} has shape {list(outputs.shape)} for {count} frames: {exc}",
             "incompatible_output",
-        )
-    if scores.shape[1] != len(labels):
+        ) from None
+    try:
+        task.check_golden_width(len(rows[0]), len(labels))
+    except ValueError as exc:
         raise _refused(
-            f"the model names {len(labels)} labels but 'scores' has {scores.shape[1]} classes",
+            f"{task.output_name!r} does not fit the model's labels: {exc}",
             "labels",
-        )
+        ) from None
     import base64
 
     return [
         GoldenCase(
             input=base64.b64encode(frames.tobytes()).decode("ascii"),
             shape=[count, *dims[1:]],
-            expected=[[float(x) for x in row] for row in scores],
+            expected=rows,
             atol=atol,
         )
     ]
@@ -252,7 +262,7 @@ def build_manifest(
             labels=info["labels"],
             opset=info["opset"],
             min_runtime_version=min_runtime_for_opset(info["opset"]),
-            golden=_golden(data, info["input"], info["output_name"], atol, info["labels"]),
+            golden=_golden(data, info["input"], task_for(info["task"]), atol, info["labels"]),
             created_at=now or datetime.now(UTC),
             parent_version=parent_version,
             metrics=metrics or {},

@@ -29,6 +29,7 @@ from edge_agent.updates.checks import UpdateRefused
 from edge_agent.updates.state import file_sha256
 from shared.errors import EdgeLoopError
 from shared.manifest import ModelManifest
+from shared.tasks import task_for
 
 __all__ = ["ArtifactFetcher", "Engine", "load_and_check", "token_for"]
 
@@ -242,19 +243,17 @@ def load_and_check(
             "incompatible_input",
             f"model takes {engine.input_hw} frames; the serving one {serving.input_hw}",
         )
+    task = task_for(manifest.task)
     for index, case in enumerate(manifest.golden):
         frames = np.frombuffer(case.input_bytes(), dtype=np.uint8).reshape(case.shape)
         try:
-            scores = np.asarray(engine.run(frames), dtype=np.float64)
+            scores = np.asarray(engine.run(frames), dtype=np.float64)  # the task's output
         except EdgeLoopError as exc:
             raise UpdateRefused("golden_failed", f"golden[{index}] did not run: {exc}") from exc
-        expected = np.asarray(case.expected, dtype=np.float64)
-        if scores.shape != expected.shape:
-            raise UpdateRefused(
-                "golden_mismatch",
-                f"golden[{index}] gave shape {list(scores.shape)}, expected {list(expected.shape)}",
-            )
-        worst = float(np.max(np.abs(scores - expected)))
+        try:
+            worst = task.golden_difference(case.expected, scores, case.atol)
+        except ValueError as exc:
+            raise UpdateRefused("golden_mismatch", f"golden[{index}] {exc}") from None
         if not worst <= case.atol:
             raise UpdateRefused(
                 "golden_mismatch",

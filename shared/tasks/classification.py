@@ -111,5 +111,26 @@ class ClassificationTask:
             return 0.0
         return sum(a.label == int(t) for a, t in zip(predicted, truth, strict=True)) / len(truth)
 
+    # --- golden cases (a manifest's check that an agent's runtime computes the same) ----
+
+    def golden_rows(self, outputs: np.ndarray) -> list[list[float]]:
+        """One row of class scores per golden frame."""
+        return [[float(x) for x in row] for row in self._rows(outputs)]
+
+    def check_golden_width(self, width: int, labels: int) -> None:
+        """ValueError unless a golden row holds one score per label."""
+        if width != labels:
+            raise ValueError(f"{width} scores per input for {labels} labels")
+
+    def golden_difference(
+        self, expected: Sequence[Sequence[float]], outputs: np.ndarray, atol: float
+    ) -> float:
+        """The largest absolute difference between the expected and the given scores."""
+        want = np.asarray(expected, dtype=np.float64)
+        got = np.asarray(outputs, dtype=np.float64)
+        if got.shape != want.shape:
+            raise ValueError(f"gave shape {list(got.shape)}, expected {list(want.shape)}")
+        return float(np.max(np.abs(got - want))) if got.size else 0.0
+
 
 CLASSIFICATION = ClassificationTask()

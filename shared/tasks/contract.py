@@ -79,6 +79,14 @@ class Task(Protocol):
 
     def score(self, predicted: Sequence[Answer], truth: Sequence[Any]) -> float: ...
 
+    def golden_rows(self, outputs: np.ndarray) -> list[list[float]]: ...
+
+    def check_golden_width(self, width: int, labels: int) -> None: ...
+
+    def golden_difference(
+        self, expected: Sequence[Sequence[float]], outputs: np.ndarray, atol: float
+    ) -> float: ...
+
 
 def unit(value: float) -> float:
     """A score or confidence as the messages carry it: within [0, 1] (float rounding

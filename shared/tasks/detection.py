@@ -324,6 +324,49 @@ class DetectionTask:
         """mAP@0.5 of the answers against ground-truth boxes per frame."""
         return average_precision([a.boxes for a in predicted], truth)
 
+    # --- golden cases (a manifest's check that an agent's runtime computes the same) ----
+
+    def golden_rows(self, outputs: np.ndarray) -> list[list[float]]:
+        """One flat row of ``K * 6`` numbers per golden frame."""
+        d = self._rows(outputs)
+        return [[float(x) for x in rows.reshape(-1)] for rows in d]
+
+    def check_golden_width(self, width: int, labels: int) -> None:
+        """ValueError unless a golden row is whole detection rows."""
+        if width < ROW or width % ROW:
+            raise ValueError(f"{width} numbers per input are not whole rows of {ROW}")
+
+    def golden_difference(
+        self, expected: Sequence[Sequence[float]], outputs: np.ndarray, atol: float
+    ) -> float:
+        """How far a runtime's detections are from the expected ones, order-free where
+        the order is not determined.
+
+        The score columns are compared sorted (TopK may break a near-tie either way
+        on another CPU); a row whose score is more than ``2 * atol`` from both its
+        neighbours' holds its rank, and its box and class must agree too (another
+        class is an infinite difference). Padding rows (score 0) carry no box.
+        """
+        got = self._rows(outputs)
+        want = np.asarray(expected, dtype=np.float64)
+        if want.shape != (got.shape[0], got.shape[1] * ROW):
+            raise ValueError(
+                f"gave shape {list(got.shape)}, expected {len(want)} frames of"
+                f" {want.shape[1] // ROW if want.ndim == 2 else '?'} rows of {ROW}"
+            )
+        want = want.reshape(got.shape)
+        worst = 0.0
+        for w, g in zip(want, got, strict=True):
+            worst = max(worst, float(np.max(np.abs(np.sort(w[:, 4]) - np.sort(g[:, 4])))))
+            padded = np.concatenate(([np.inf], w[:, 4], [-np.inf]))
+            gap = np.minimum(np.abs(padded[:-2] - padded[1:-1]), np.abs(padded[1:-1] - padded[2:]))
+            settled = (gap > 2 * atol) & (w[:, 4] > 0)
+            if np.any(w[settled, 5] != g[settled, 5]):
+                return float("inf")
+            if settled.any():
+                worst = max(worst, float(np.max(np.abs(w[settled, :4] - g[settled, :4]))))
+        return worst
+
 
 def _checked_boxes(rows: Sequence[Sequence[float]] | None) -> tuple[Box, ...]:
     """Boxes from a message, sorted by score; None (a message without boxes) is none."""

@@ -156,7 +156,7 @@ def test_upload_refuses_a_model_no_agent_can_run_with_the_reason(
     refused = _upload(client, wrong_labels)
     assert refused.status_code == 422, refused.text
     assert refused.json()["reason"] == "labels"
-    assert "3 labels" in refused.json()["detail"] and "4 classes" in refused.json()["detail"]
+    assert "4 scores per input for 3 labels" in refused.json()["detail"]
 
     broken = make_tiny_student(tmp_path / "broken.onnx", size=16)
     model = onnx.load(str(broken))

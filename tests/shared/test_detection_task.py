@@ -226,3 +226,49 @@ def test_map50_agrees_with_pycocotools() -> None:
     assert ours == pytest.approx(_coco_map50(predicted, truth), abs=1e-6)
     assert average_precision(truth, truth) == pytest.approx(1.0)
     assert average_precision([[]], [[]]) == 0.0
+
+
+# --- golden cases ------------------------------------------------------------------------
+
+
+def _golden_frame(*rows: tuple[float, ...], k: int = 4) -> np.ndarray:
+    out = np.zeros((1, k, 6))
+    for i, row in enumerate(rows):
+        out[0, i] = row
+    return out
+
+
+def test_golden_rows_flatten_each_frame_and_round_trip() -> None:
+    out = _golden_frame((0.1, 0.1, 0.3, 0.3, 0.9, 1), (0.5, 0.5, 0.7, 0.7, 0.4, 2))
+    rows = DETECTION.golden_rows(out)
+    assert len(rows) == 1 and len(rows[0]) == 24
+    DETECTION.check_golden_width(24, labels=3)
+    with pytest.raises(ValueError, match="not whole rows of 6"):
+        DETECTION.check_golden_width(25, labels=3)
+    assert DETECTION.golden_difference(rows, out, atol=1e-3) == 0.0
+
+
+def test_golden_difference_forgives_a_near_tie_swapped_by_another_cpu() -> None:
+    want = _golden_frame((0.1, 0.1, 0.3, 0.3, 0.5001, 1), (0.6, 0.6, 0.9, 0.9, 0.5, 2))
+    got = _golden_frame((0.6, 0.6, 0.9, 0.9, 0.5003, 2), (0.1, 0.1, 0.3, 0.3, 0.5, 1))
+    assert DETECTION.golden_difference(DETECTION.golden_rows(want), got, atol=1e-3) <= 1e-3
+
+
+def test_golden_difference_holds_settled_rows_to_their_box_and_class() -> None:
+    want = _golden_frame((0.1, 0.1, 0.3, 0.3, 0.9, 1), (0.6, 0.6, 0.9, 0.9, 0.5, 2))
+    rows = DETECTION.golden_rows(want)
+    other_class = want.copy()
+    other_class[0, 0, 5] = 0
+    assert DETECTION.golden_difference(rows, other_class, atol=1e-3) == float("inf")
+    moved = want.copy()
+    moved[0, 1, :4] += 0.05
+    assert DETECTION.golden_difference(rows, moved, atol=1e-3) == pytest.approx(0.05)
+    rescored = want.copy()
+    rescored[0, 0, 4] = 0.8
+    assert DETECTION.golden_difference(rows, rescored, atol=1e-3) == pytest.approx(0.1)
+
+
+def test_golden_difference_names_a_shape_that_does_not_fit() -> None:
+    rows = DETECTION.golden_rows(_golden_frame((0.1, 0.1, 0.3, 0.3, 0.9, 1)))
+    with pytest.raises(ValueError, match="expected 1 frames of 4 rows"):
+        DETECTION.golden_difference(rows, np.zeros((1, 5, 6)), atol=1e-3)

@@ -456,9 +456,12 @@ def test_a_manifest_names_its_task_and_an_agent_refuses_another_or_an_unknown_on
     assert b'"task"' not in canonical_manifest_bytes(plain)
     assert refusal(plain, None) is None
     assert refusal(plain, "classification") is None
-    detector = plain.model_copy(update={"task": "detection"})
+    detector = plain.model_copy(update={"task": "detection", "output_name": "detections"})
     assert refusal(detector, "classification") == "incompatible_task"
     assert refusal(detector, "detection") is None
+    # A detector's output is its task's, not a classifier's.
+    misnamed = plain.model_copy(update={"task": "detection"})
+    assert refusal(misnamed, "detection") == "incompatible_input"
     segmenter = plain.model_copy(update={"task": "segmentation"})
     assert refusal(segmenter, "classification") == "unsupported_task"  # unknown here
     classifier = plain.model_copy(update={"task": "classification"})
