@@ -53,6 +53,7 @@ __all__ = [
     "DetectorReferenceConfig",
     "ReferenceDetectors",
     "bootstrap_reference_detectors",
+    "reference_scenario",
 ]
 
 # Bump whenever rendering, architectures, training, export or quantization change
@@ -320,6 +321,15 @@ def _build_student(
     }
     atomic_write_json(out / "metrics.json", metrics)
     return metrics
+
+
+def reference_scenario(frame_size: int) -> SceneConfig:
+    """The reference scenario a detector of ``frame_size`` was made on: the quick
+    pair's at its size, else the full one's at ``frame_size``."""
+    quick = DetectorReferenceConfig.reference(quick=True).scenario
+    if frame_size == quick.frame_size:
+        return quick
+    return replace(SceneConfig(), frame_size=frame_size)
 
 
 def bootstrap_reference_detectors(

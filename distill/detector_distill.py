@@ -93,7 +93,7 @@ def distil_detector(
     human: Sequence[FrameBoxes | None],
     serving_checkpoint: Path,
     serving_onnx: Path,
-    reference: DetectionSet,
+    reference: DetectionSet | None,
     replay: DetectionSet | None,
     drifts: Sequence[str],
     out_dir: Path,
@@ -103,15 +103,27 @@ def distil_detector(
     holdout_share: float = 0.2,
     thresholds: DetectorGate = DetectorGate(),
     seed: int = 0,
+    holdout: Sequence[int] | None = None,
 ) -> DetectorRound:
-    """Train, export, quantize, evaluate and gate one refreshed student (see the module)."""
+    """Train, export, quantize, evaluate and gate one refreshed student (see the module).
+
+    ``holdout`` names the frames the gate judges on (the rest train); without it a
+    seeded ``holdout_share`` of them. Without a ``reference`` set the gate holds the new
+    student to the holdout alone, and no drift is evaluated.
+    """
     if not len(frames) == len(teacher) == len(human):
         raise DataError(f"{len(frames)} frames, {len(teacher)} teacher and {len(human)} labels")
     out_dir.mkdir(parents=True, exist_ok=True)
     serving = load_detector(serving_checkpoint)
     class_names = serving.meta.class_names
     labels = merge_labels(human, teacher)
-    train_idx, hold_idx = _split(len(frames), holdout_share, seed)
+    if holdout is None:
+        train_idx, hold_idx = _split(len(frames), holdout_share, seed)
+    else:
+        hold_idx = np.unique(np.asarray(holdout, dtype=np.int64))
+        train_idx = np.setdiff1d(np.arange(len(frames)), hold_idx)
+        if not len(hold_idx) or not len(train_idx) or hold_idx.max() >= len(frames):
+            raise DataError(f"holdout {len(hold_idx)} of {len(frames)} frames leaves none to train")
     replay_data = (replay.frames, labels_from_set(replay)) if replay is not None else None
     result = train_detector(
         config,
@@ -154,9 +166,10 @@ def distil_detector(
     )
 
     sets = {"holdout": labelled_set(frames[hold_idx], [labels[i] for i in hold_idx], class_names)}
-    sets["reference"] = reference
-    for spec in drifts:
-        sets[f"drift:{spec}"] = apply_scene_drift(reference, spec, seed=seed + 1)
+    if reference is not None:
+        sets["reference"] = reference
+        for spec in drifts:
+            sets[f"drift:{spec}"] = apply_scene_drift(reference, spec, seed=seed + 1)
     models = {"new_fp32": fp32, "new_int8": int8, "serving": serving_onnx}
     map50: dict[str, dict[str, float]] = {m: {} for m in models}
     map50_95: dict[str, dict[str, float]] = {m: {} for m in models}

@@ -1,4 +1,4 @@
-"""The training side of the task contract (``shared/tasks.py``; ``docs/architecture.md``,
+"""The training side of the task contract (``shared/tasks/``; ``docs/architecture.md``,
 "The task contract"): the loss a student learns from teacher and labels by, and how
 the gate's metric is counted on a model's raw outputs.
 

@@ -30,6 +30,7 @@ from distill.quantize import QuantSettings, quantization_frames, quantize_onnx, 
 from distill.train import TrainConfig, train
 from edge_agent.settings import AgentSettings
 from shared.errors import DataError, EdgeLoopError, ModelError
+from simulations.cli_detection import train_detection_folder
 
 __all__ = ["models_app"]
 
@@ -46,6 +47,11 @@ _err = Console(stderr=True, highlight=False)
 class RoleChoice(StrEnum):
     teacher = "teacher"
     student = "student"
+
+
+class TaskChoice(StrEnum):
+    classification = "classification"
+    detection = "detection"
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
@@ -260,7 +266,10 @@ def train_cmd(
         Path | None,
         typer.Option("--out", help="Checkpoint path (.pt); the ONNX file is written beside it."),
     ] = None,
-    frame_size: Annotated[int, typer.Option(help="Square frame size in pixels.")] = 64,
+    frame_size: Annotated[
+        int | None,
+        typer.Option(help="Square frame size in pixels (default: 64; detection 320)."),
+    ] = None,
     batch_size: Annotated[int | None, typer.Option(help="Batch size.")] = None,
     lr: Annotated[float | None, typer.Option(help="Peak learning rate.")] = None,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
@@ -280,9 +289,34 @@ def train_cmd(
             " classes.txt).",
         ),
     ] = "auto",
+    task: Annotated[
+        TaskChoice,
+        typer.Option(
+            "--task",
+            help="classification (one label per frame) or detection (boxes: --data is a"
+            " COCO annotations .json or folder, or a YOLO folder).",
+        ),
+    ] = TaskChoice.classification,
     json_out: JsonOpt = False,
 ) -> None:
-    """Train a teacher or student on labelled images; write .pt and .onnx."""
+    """Train a teacher or student on labelled images; write .pt and .onnx (and, for a
+    detection student, .int8.onnx)."""
+    if task is TaskChoice.detection:
+        with _friendly_errors():
+            report = train_detection_folder(
+                data,
+                role=role.value,
+                out=out,
+                frame_size=frame_size or 320,
+                epochs=epochs,
+                batch_size=batch_size,
+                lr=lr,
+                seed=seed,
+                console=_err,
+            )
+        _report(report, f"trained {role.value} detector on {data}", json_out)
+        return
+    frame_size = frame_size or 64
     with _friendly_errors():
         train_data = load_data(data, split="train", frame_size=frame_size, format=data_format)
         try:
@@ -350,13 +384,17 @@ def train_cmd(
             "export_max_abs_diff": export.max_abs_diff_vs_torch,
             **{k: v for k, v in result.metrics.items() if k not in ("role", "arch")},
         }
-        if json_out:
-            _print_json(report)
-            return
-        table = Table(title=f"trained {role.value} on {data}", show_header=False)
-        for key, value in report.items():
-            table.add_row(key, _fmt(value))
-        _out.print(table)
+        _report(report, f"trained {role.value} on {data}", json_out)
+
+
+def _report(report: dict[str, Any], title: str, json_out: bool) -> None:
+    if json_out:
+        _print_json(report)
+        return
+    table = Table(title=title, show_header=False)
+    for key, value in report.items():
+        table.add_row(key, _fmt(value))
+    _out.print(table)
 
 
 def _fmt(value: Any) -> str:

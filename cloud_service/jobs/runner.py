@@ -44,14 +44,10 @@
 
 from __future__ import annotations
 
-import tempfile
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from cloud_service.jobs.context import JobContext, JobOutcome
 from cloud_service.jobs.deliver import (
@@ -61,8 +57,10 @@ from cloud_service.jobs.deliver import (
     signing_key,
     store_checkpoint,
 )
+from cloud_service.jobs.detection import run_detection_job
+from cloud_service.jobs.job import JobRun, warm_start_candidates
 from cloud_service.jobs.params import JobParams
-from cloud_service.jobs.services import PipelineServices, blob_to_file
+from cloud_service.jobs.services import PipelineServices
 from cloud_service.jobs.snapshot import (
     FleetState,
     ServingStudent,
@@ -74,11 +72,9 @@ from cloud_service.jobs.snapshot import (
 )
 from distill.distillation import (
     Dataset,
-    Recipe,
     ReferenceSets,
     assemble_dataset,
     calibrate_confidence,
-    checkpoint_beside,
     reference_sets,
     train_student,
     warm_start,
@@ -93,60 +89,9 @@ from distill.release import (
 )
 from distill.scenario import ScenarioConfig
 from distill.train import TrainResult
+from shared.tasks import DETECTION, task_for
 
-__all__ = ["JobReport", "PipelineServices", "make_runner", "run_job"]
-
-
-class JobReport:
-    """The job's log and progress (to the worker, and the console when one watches),
-    and how long each step took."""
-
-    def __init__(self, ctx: JobContext, console: Callable[[int, str, float], None] | None):
-        self._ctx, self._console = ctx, console
-        self._started = self._mark = time.perf_counter()
-        self.timings: dict[str, float] = {}
-
-    def log(self, message: str, level: str = "info") -> None:
-        self._ctx.log(message, level=level)
-
-    def progress(self, phase: str, percent: float) -> None:
-        self._ctx.progress(phase, percent)
-        if self._console is not None:
-            self._console(self._ctx.job_id, phase, percent)
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.timings[name] = round(now - self._mark, 2)
-        self._mark = now
-
-    def times(self) -> dict[str, Any]:
-        return {"timings": self.timings, "wall_s": round(time.perf_counter() - self._started, 2)}
-
-
-@dataclass(frozen=True)
-class _Job:
-    """One run of a job: its context, parameters, scratch folder and random stream."""
-
-    ctx: JobContext
-    services: PipelineServices
-    params: JobParams
-    recipe: Recipe
-    work: Path
-    rng: np.random.Generator
-    report: JobReport
-
-    @classmethod
-    def start(cls, ctx: JobContext, services: PipelineServices) -> _Job:
-        p = JobParams.from_dict(ctx.params)
-        return cls(
-            ctx=ctx,
-            services=services,
-            params=p,
-            recipe=Recipe(**{f.name: getattr(p, f.name) for f in fields(Recipe)}),
-            work=Path(tempfile.mkdtemp(prefix=f"job-{ctx.job_id}-", dir=services.work_dir)),
-            rng=np.random.default_rng([p.seed, ctx.job_id]),
-            report=JobReport(ctx, services.console_progress),
-        )
+__all__ = ["PipelineServices", "make_runner", "run_job"]
 
 
 @dataclass(frozen=True)
@@ -172,12 +117,9 @@ class _Candidate:
     evaluation: Evaluation
 
 
-def _prepare(job: _Job) -> _Prepared:
+def _prepare(job: JobRun, fleet: FleetState, student: ServingStudent) -> _Prepared:
     """Snapshot and dataset: the samples read, split and recorded; the training set built."""
     p, services, report = job.params, job.services, job.report
-    report.progress("snapshot", 1)
-    fleet = read_fleet(services.sessions, p)
-    student = serving_student(services, p, fleet.serving, job.work)
     rows = keep_known_classes(fleet.rows, len(student.classes), job.ctx)
     scenario = services.scenario or ScenarioConfig()
     reference = reference_sets(p.data_dir, scenario, student.classes, student.frame_size)
@@ -196,30 +138,13 @@ def _prepare(job: _Job) -> _Prepared:
     return _Prepared(fleet, student, reference, snap, data)
 
 
-def _checkpoints(job: _Job, fleet: FleetState, student: ServingStudent) -> list[tuple[str, Path]]:
-    """Where a warm start may come from, in order of preference, each with its name."""
-    services, p = job.services, job.params
-    found: list[tuple[str, Path]] = []
-    parent = fleet.parent_checkpoint
-    if parent and services.blobs.exists(str(parent)):
-        path = blob_to_file(services.blobs, str(parent), job.work / "parent.pt")
-        found.append((f"the serving student (job {fleet.parent_job_id})", path))
-    if p.base_checkpoint:
-        found.append((f"base_checkpoint {p.base_checkpoint}", Path(p.base_checkpoint)))
-    if fleet.serving is None:
-        beside = checkpoint_beside(student.path)
-        found.append((f"{beside} (beside the serving student)", beside))
-    if services.base_checkpoint is not None:
-        found.append((f"{services.base_checkpoint}", services.base_checkpoint))
-    return found
-
-
-def _distil(job: _Job, prepared: _Prepared) -> _Candidate:
+def _distil(job: JobRun, prepared: _Prepared) -> _Candidate:
     """Train (warm start, candidates), calibrate, export, quantize and evaluate."""
     report, recipe, data = job.report, job.recipe, prepared.data
     classes = prepared.student.classes
     report.progress("train", 5)
-    start = warm_start(_checkpoints(job, prepared.fleet, prepared.student), classes, recipe.seed)
+    candidates = warm_start_candidates(job, prepared.fleet, prepared.student)
+    start = warm_start(candidates, classes, recipe.seed)
     report.log(start.note, level="info" if start.source != "fresh" else "warning")
     version = f"d{job.ctx.job_id}.{job.ctx.attempt}"
     result = train_student(data, start, recipe, version, report)
@@ -279,7 +204,7 @@ def _metrics(
 
 
 def _release(
-    job: _Job, prepared: _Prepared, candidate: _Candidate, metrics: dict[str, Any]
+    job: JobRun, prepared: _Prepared, candidate: _Candidate, metrics: dict[str, Any]
 ) -> JobOutcome:
     """Keep the checkpoint, register the INT8 model and deliver it."""
     report, p, job_id = job.report, job.params, job.ctx.job_id
@@ -316,9 +241,15 @@ def _release(
 
 
 def run_job(ctx: JobContext, services: PipelineServices) -> JobOutcome:
-    """Run one distillation job (see the module docstring for the steps)."""
-    job = _Job.start(ctx, services)
-    prepared = _prepare(job)
+    """Run one distillation job (see the module docstring for the steps); a fleet of
+    detectors takes ``cloud_service.jobs.detection``'s path."""
+    job = JobRun.start(ctx, services)
+    job.report.progress("snapshot", 1)
+    fleet = read_fleet(services.sessions, job.params)
+    student = serving_student(services, job.params, fleet.serving, job.work)
+    if task_for(student.task) is DETECTION:
+        return run_detection_job(job, fleet, student)
+    prepared = _prepare(job, fleet, student)
     candidate = _distil(job, prepared)
     decision = _judge(job.params, candidate)
     metrics = _metrics(job.params, prepared, candidate, decision)

@@ -164,11 +164,12 @@ def read_fleet(sessions: Callable[[], Session], p: JobParams) -> FleetState:
 
 @dataclass(frozen=True)
 class ServingStudent:
-    """The serving student's file, whose class set and frame size the fleet's are."""
+    """The serving student's file, whose class set, frame size and task the fleet's are."""
 
     path: Path
     classes: tuple[str, ...]
     frame_size: int
+    task: str | None = None  # shared.tasks; None: classification
 
 
 def serving_student(
@@ -185,7 +186,7 @@ def serving_student(
         raise ModelError("no serving student to compare with (serving_model)")
     # Every sample's label indexes into its classes; the new student answers with them.
     info = read_onnx_info(path)
-    return ServingStudent(path, info.labels, info.frame_size)
+    return ServingStudent(path, info.labels, info.frame_size, info.metadata.get("task"))
 
 
 def keep_known_classes(rows: list[VerifiedRow], classes: int, ctx: JobContext) -> list[VerifiedRow]:
