@@ -26,7 +26,9 @@ pytestmark = [pytest.mark.mqtt, pytest.mark.sql, pytest.mark.slow, pytest.mark.t
 SAMPLES = 120
 
 
-def _wait(predicate: Callable[[], bool], timeout: float = 60.0) -> bool:
+# Bounds, not expectations: each wait returns as soon as its condition holds, and only a
+# lost or stuck sample runs into it (a busy host verifies 120 samples in minutes).
+def _wait(predicate: Callable[[], bool], timeout: float = 300.0) -> bool:
     return wait_until(predicate, timeout, step=0.05)
 
 
@@ -135,5 +137,5 @@ def test_two_verifiers_share_the_samples_and_verify_each_once(
             }
 
         # The agent hears a receipt and a verdict for every sample, whichever verifier took it.
-        assert collector.wait_for(lambda: receipted() >= set(sent), timeout=20)
-        assert collector.wait_for(lambda: verdicts_heard() >= set(sent), timeout=20)
+        assert collector.wait_for(lambda: receipted() >= set(sent), timeout=120)
+        assert collector.wait_for(lambda: verdicts_heard() >= set(sent), timeout=120)

@@ -119,17 +119,21 @@ def test_job_metrics_are_tables_and_a_failure_is_one_reason_line(browser: Any, s
     sign_in(driver, site, "ada")
     driver.get(f"{site.url}/ui/jobs/{done}")
     wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, "table.metrics"), what="tables")
-    captions = [c.text for c in driver.find_elements(By.CSS_SELECTOR, "table.metrics caption")]
+    # Read in one script: the page may draw its tables again between two WebDriver calls.
+    tables = driver.execute_script(
+        """return [...document.querySelectorAll('table.metrics')].map(t => ({
+            caption: t.caption ? t.caption.innerText : '',
+            header: [...t.querySelectorAll('th')].map(th => th.innerText),
+            rows: [...t.querySelectorAll('tbody tr')].map(
+                tr => [...tr.querySelectorAll('td')].map(td => td.innerText)),
+        }))"""
+    )
+    captions = [t["caption"] for t in tables]
     assert captions[:2] == ["Summary", "Evaluation (top-1, %)"]
     assert {"Dataset", "Gate", "Timings"} <= set(captions)
-    evaluation = driver.find_elements(By.CSS_SELECTOR, "table.metrics")[1]
-    header = [th.text for th in evaluation.find_elements(By.CSS_SELECTOR, "th")]
-    assert header == ["model", "holdout", "reference", "drift:blur:1"]
-    rows = [
-        [td.text for td in tr.find_elements(By.CSS_SELECTOR, "td")]
-        for tr in evaluation.find_elements(By.CSS_SELECTOR, "tbody tr")
-    ]
-    assert rows[0] == ["serving", "82.1", "90.1", "60.1"]
+    evaluation = tables[1]
+    assert evaluation["header"] == ["model", "holdout", "reference", "drift:blur:1"]
+    assert evaluation["rows"][0] == ["serving", "82.1", "90.1", "60.1"]
     # Nothing runs off the page: no horizontal scroll, however long the metrics.
     assert driver.execute_script(
         "return document.documentElement.scrollWidth <= document.documentElement.clientWidth"
