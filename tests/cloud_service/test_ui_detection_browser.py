@@ -341,6 +341,64 @@ def test_drawing_a_missing_box_with_the_mouse(browser: Any, site: Site) -> None:
     assert boxes[1][:4] == pytest.approx(drawn[:4], abs=1e-4) and boxes[1][4:] == [1.0, 4]
 
 
+def test_moving_and_resizing_a_box_with_the_mouse_and_the_arrows(browser: Any, site: Site) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    driver = browser
+    sign_in(driver, site)
+    sample_id = open_sample(driver, site, 2)
+    teacher = rows(DETECTION_FRAMES[2][0])  # one 6 at (0.40, 0.30) - (0.62, 0.62)
+    press(driver, "t")  # whatever an earlier review left: the teacher's box
+    until_work(driver, lambda w: w == teacher, "the teacher's box")
+    svg = driver.find_element(By.ID, "boxes")
+    width, height = driver.execute_script(
+        "const r = arguments[0].getBoundingClientRect(); return [r.width, r.height];", svg
+    )
+
+    def drag(start: tuple[float, float], by: tuple[float, float]) -> None:
+        x0, y0 = round(start[0] * width), round(start[1] * height)
+        (
+            ActionChains(driver)
+            .move_to_element_with_offset(svg, x0 - int(width / 2), y0 - int(height / 2))
+            .click_and_hold()
+            .move_by_offset(round(by[0] * width), round(by[1] * height))
+            .release()
+            .perform()
+        )
+
+    drag((0.51, 0.46), (0.10, 0.05))  # from inside the box: it moves, same size
+    moved = until_work(driver, lambda w: w[0][0] > 0.45, "the box moved")["work"][0]
+    assert moved == pytest.approx([0.50, 0.35, 0.72, 0.67, 6], abs=TOLERANCE)
+    drag((moved[2], moved[3]), (0.08, 0.08))  # its bottom-right corner: it grows
+    resized = until_work(driver, lambda w: w[0][2] > 0.75, "the box resized")["work"][0]
+    assert resized == pytest.approx([0.50, 0.35, 0.80, 0.75, 6], abs=TOLERANCE)
+    assert editor_state(driver)["selected"] == 0
+
+    press(driver, Keys.ARROW_RIGHT, Keys.ARROW_RIGHT)  # a selected box: arrows move it
+    nudged = until_work(driver, lambda w: w[0][0] > resized[0] + 0.015, "two nudges")
+    assert nudged["work"][0][:4] == pytest.approx(
+        [resized[0] + 0.02, resized[1], resized[2] + 0.02, resized[3]], abs=1e-4
+    )
+    press(driver, Keys.ARROW_DOWN, shift=True)  # Shift: the bottom edge moves
+    taller = until_work(driver, lambda w: w[0][3] > resized[3] + 0.005, "Shift+Down")["work"]
+    assert taller[0][1] == pytest.approx(resized[1], abs=1e-4)
+    shot(driver, site, "moved")
+
+    press(driver, "u", "u", "u")  # each nudge is one undo step
+    until_work(driver, lambda w: w[0] == pytest.approx(resized, abs=1e-4), "three undone")
+    press(driver, "u")  # the resize
+    until_work(driver, lambda w: w[0] == pytest.approx(moved, abs=1e-4), "the resize undone")
+    press(driver, "u")  # the move
+    until_work(driver, lambda w: w == teacher, "the teacher's box again")
+    press(driver, Keys.ESCAPE)  # Esc lets the box go; arrows browse frames again
+    wait(driver, lambda d: editor_state(d)["selected"] == -1, "no box selected")
+    assert shown(driver) == sample_id
+    press(driver, Keys.ARROW_RIGHT)
+    wait(driver, lambda d: shown(d) == site.frames[3], "the next frame after an arrow")
+
+
 def test_next_frame_and_accepting_either_answer(browser: Any, site: Site) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select

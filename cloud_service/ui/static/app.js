@@ -245,8 +245,11 @@ var EdgeLoop = (function () {
 
     function boxKey(event) {
       // The box editor's keys on a detection sample; true when the key was one of them.
-      var key = event.key;
-      if (key === "Tab") editor.select(event.shiftKey ? -1 : 1);
+      var key = event.key, step = editor.step;
+      var arrows = { ArrowLeft: [-step, 0], ArrowRight: [step, 0], ArrowUp: [0, -step], ArrowDown: [0, step] };
+      if (arrows[key] && editor.hasSelection()) editor.nudge(arrows[key][0], arrows[key][1], event.shiftKey);
+      else if (key === "Escape" && editor.hasSelection()) editor.deselect();
+      else if (key === "Tab") editor.select(event.shiftKey ? -1 : 1);
       else if (key === "Delete" || key === "Backspace") editor.deleteSelected();
       else if (/^[0-9]$/.test(key)) editor.setClass(Number(key));
       else if (key === "t" || key === "T") editor.acceptTeacher();

@@ -11,6 +11,8 @@ var EdgeLoopBoxes = (function () {
   var SVG = "http://www.w3.org/2000/svg";
   var MIN_DRAG_PX = 4;  // a shorter drag is a click: it selects the box under it
   var RING = 4;  // px between a label box and the ring drawn around it
+  var HANDLE_PX = 8;  // how near a corner of the selected box a press resizes it
+  var NUDGE = 0.01;  // an arrow key moves or resizes the selected box by this share of the frame
   var STATUS_TEXT = { missed: "missed", extra: "extra", wrong_class: "wrong class", localisation: "loose" };
 
   function make(name, attrs, parent) {
@@ -181,6 +183,12 @@ var EdgeLoopBoxes = (function () {
         rect.setAttribute("aria-label", "label box " + className(b.cls));
         var t = make("text", { x: b.x1 * wh.w + 3, y: b.y2 * wh.h - 5, "class": "box-label work" + (i === selected ? " selected" : "") }, g);
         t.textContent = className(b.cls);
+        if (i === selected) {  // the corners a drag resizes
+          [[b.x1, b.y1, -1, -1], [b.x2, b.y1, 1, -1], [b.x1, b.y2, -1, 1], [b.x2, b.y2, 1, 1]].forEach(function (c) {
+            var x = c[0] * wh.w + c[2] * RING, y = c[1] * wh.h + c[3] * RING;  // on the ring
+            make("rect", { x: x - 4, y: y - 4, width: 8, height: 8, "class": "handle" }, g);
+          });
+        }
       });
       if (drag && drag.moved) {
         make("rect", {
@@ -224,23 +232,71 @@ var EdgeLoopBoxes = (function () {
       });
     }
 
-    /* --- mouse: drag draws a box, a click selects one ------------------------ */
+    /* --- mouse: a drag on a box moves it, on a selected box's corner resizes it,
+       elsewhere (or with Shift) draws a new box; a click selects ------------------ */
     function point(event) {
       var r = parts.svg.getBoundingClientRect();
       return { x: clamp01((event.clientX - r.left) / (r.width || 1)), y: clamp01((event.clientY - r.top) / (r.height || 1)), r: r };
+    }
+
+    function boxAt(p) {  // the smallest working box under a point, else -1
+      var hit = -1, area = Infinity;
+      work.forEach(function (b, i) {
+        var a = (b.x2 - b.x1) * (b.y2 - b.y1);
+        if (p.x >= b.x1 && p.x <= b.x2 && p.y >= b.y1 && p.y <= b.y2 && a < area) { hit = i; area = a; }
+      });
+      return hit;
+    }
+
+    function cornerAt(p) {  // which corner of the selected box is within HANDLE_PX, else null
+      if (selected < 0) return null;
+      var b = work[selected], w = p.r.width || 1, h = p.r.height || 1, found = null;
+      [["x1", "y1"], ["x2", "y1"], ["x1", "y2"], ["x2", "y2"]].forEach(function (c) {
+        if (!found && Math.abs(b[c[0]] - p.x) * w <= HANDLE_PX && Math.abs(b[c[1]] - p.y) * h <= HANDLE_PX) found = c;
+      });
+      return found;
+    }
+
+    function tidy(b) {  // corners ordered and inside the frame, at least a pixel apart
+      var x1 = clamp01(Math.min(b.x1, b.x2)), x2 = clamp01(Math.max(b.x1, b.x2));
+      var y1 = clamp01(Math.min(b.y1, b.y2)), y2 = clamp01(Math.max(b.y1, b.y2));
+      var w = size();
+      if ((x2 - x1) * w.w < 1) x2 = Math.min(1, x1 + 1 / w.w);
+      if ((y2 - y1) * w.h < 1) y2 = Math.min(1, y1 + 1 / w.h);
+      b.x1 = x1; b.x2 = x2; b.y1 = y1; b.y2 = y2;
     }
 
     parts.svg.addEventListener("mousedown", function (event) {
       if (!sample || event.button !== 0) return;
       event.preventDefault();
       var p = point(event);
-      drag = { x0: p.x, y0: p.y, x1: p.x, y1: p.y, moved: false, w: p.r.width, h: p.r.height };
+      var base = { x0: p.x, y0: p.y, x1: p.x, y1: p.y, moved: false, w: p.r.width, h: p.r.height };
+      var corner = event.shiftKey ? null : cornerAt(p);
+      var hit = event.shiftKey || corner ? -1 : boxAt(p);
+      if (corner) base.mode = "resize", base.corner = corner, base.index = selected;
+      else if (hit >= 0) base.mode = "move", base.index = hit;
+      else base.mode = "draw";
+      if (base.mode !== "draw") { selected = base.index; base.start = copy([work[base.index]])[0]; draw(); }
+      drag = base;
     });
     document.addEventListener("mousemove", function (event) {
       if (!drag) return;
       var p = point(event);
       drag.x1 = p.x; drag.y1 = p.y;
-      drag.moved = Math.abs(drag.x1 - drag.x0) * drag.w >= MIN_DRAG_PX && Math.abs(drag.y1 - drag.y0) * drag.h >= MIN_DRAG_PX;
+      var far = Math.abs(drag.x1 - drag.x0) * drag.w >= MIN_DRAG_PX || Math.abs(drag.y1 - drag.y0) * drag.h >= MIN_DRAG_PX;
+      if (drag.mode === "draw") {
+        drag.moved = Math.abs(drag.x1 - drag.x0) * drag.w >= MIN_DRAG_PX && Math.abs(drag.y1 - drag.y0) * drag.h >= MIN_DRAG_PX;
+      } else if (far || drag.moved) {
+        if (!drag.moved) { remember(); drag.moved = true; }  // the box as it was, for undo
+        var b = work[drag.index], s0 = drag.start;
+        if (drag.mode === "move") {
+          var dx = Math.max(-s0.x1, Math.min(1 - s0.x2, drag.x1 - drag.x0));
+          var dy = Math.max(-s0.y1, Math.min(1 - s0.y2, drag.y1 - drag.y0));
+          b.x1 = s0.x1 + dx; b.x2 = s0.x2 + dx; b.y1 = s0.y1 + dy; b.y2 = s0.y2 + dy;
+        } else {
+          b[drag.corner[0]] = p.x; b[drag.corner[1]] = p.y;
+        }
+      }
       draw();
     });
     document.addEventListener("mouseup", function (event) {
@@ -249,17 +305,39 @@ var EdgeLoopBoxes = (function () {
       drag = null;
       var p = point(event);
       d.x1 = p.x; d.y1 = p.y;
+      if (d.mode === "move" || d.mode === "resize") {
+        if (!d.moved) { draw(); return; }  // a click on a box: it is selected
+        tidy(work[d.index]);
+        edited((d.mode === "move" ? "Moved" : "Resized") + " a " + className(work[d.index].cls) + " box.");
+        return;
+      }
       var wide = Math.abs(d.x1 - d.x0) * d.w >= MIN_DRAG_PX && Math.abs(d.y1 - d.y0) * d.h >= MIN_DRAG_PX;
       if (wide) { addBox(Math.min(d.x0, d.x1), Math.min(d.y0, d.y1), Math.max(d.x0, d.x1), Math.max(d.y0, d.y1)); return; }
-      // A click: the smallest working box under it, else none.
-      var hit = -1, area = Infinity;
-      work.forEach(function (b, i) {
-        var a = (b.x2 - b.x1) * (b.y2 - b.y1);
-        if (p.x >= b.x1 && p.x <= b.x2 && p.y >= b.y1 && p.y <= b.y2 && a < area) { hit = i; area = a; }
-      });
-      selected = hit;
+      selected = boxAt(p);  // a click beside every box: none selected
       draw();
     });
+
+    /* --- keys: arrows move the selected box, Shift+arrows resize it ------------- */
+    function nudge(dx, dy, resize) {
+      if (selected < 0) return false;
+      remember();
+      var b = work[selected];
+      if (resize) { b.x2 += dx; b.y2 += dy; }
+      else {
+        dx = Math.max(-b.x1, Math.min(1 - b.x2, dx)); dy = Math.max(-b.y1, Math.min(1 - b.y2, dy));
+        b.x1 += dx; b.x2 += dx; b.y1 += dy; b.y2 += dy;
+      }
+      tidy(b);
+      return edited((resize ? "Resized" : "Moved") + " a " + className(b.cls) + " box.");
+    }
+
+    function deselect() {
+      if (selected < 0) return false;
+      selected = -1;
+      draw();
+      return true;
+    }
+
     parts.select.addEventListener("change", function () {
       setClass(Number(parts.select.value));
       parts.select.blur();  // the keys belong to the page again
@@ -270,6 +348,8 @@ var EdgeLoopBoxes = (function () {
     return {
       load: load, boxes: boxes, draw: draw, acceptTeacher: acceptTeacher, acceptEdge: acceptEdge,
       select: select, deleteSelected: deleteSelected, setClass: setClass, addBox: addBox, undo: undo,
+      nudge: nudge, deselect: deselect, step: NUDGE,
+      hasSelection: function () { return selected >= 0; },
       canUndo: function () { return history.length > 0; }
     };
   }
