@@ -39,7 +39,9 @@ def test_a_paced_publisher_never_runs_more_than_its_lead_ahead() -> None:
 def test_machine_cpu_counts_this_process_and_the_machine_per_message() -> None:
     cpu = bench_cloud.MachineCpu()
     cpu.start()
-    deadline = time.process_time() + 0.2
+    # Half a second of CPU: /proc/stat's ticks (10 ms per core) stay within the margin
+    # below however busy the other cores are.
+    deadline = time.process_time() + 0.5
     spin: Any = 0
     while time.process_time() < deadline:
         spin += 1
@@ -52,7 +54,7 @@ def test_machine_cpu_counts_this_process_and_the_machine_per_message() -> None:
         "cores busy",
         "cores",
     }
-    assert used["this process"] >= 19.0  # 200 ms of CPU over 10 messages
+    assert used["this process"] >= 49.0  # 500 ms of CPU over 10 messages
     assert used["machine"] >= 0.9 * used["this process"]
     assert 0 < used["cores busy"] <= used["cores"] + 0.1
     assert used["mosquitto"] >= 0 and used["postgresql"] >= 0
