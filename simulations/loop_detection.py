@@ -28,6 +28,7 @@ import io
 import random
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -99,6 +100,7 @@ class _Pass:
 
     rows: np.ndarray
     forwarded: np.ndarray  # bool per frame
+    reasons: dict[str, int]  # forwarded frames per routing rule
 
 
 def _edge_pass(model: Path, frames: np.ndarray, seed: int, threads: int) -> _Pass:
@@ -110,12 +112,14 @@ def _edge_pass(model: Path, frames: np.ndarray, seed: int, threads: int) -> _Pas
         rng=random.Random(seed),
         task=DETECTION,
     )
-    rows, forwarded = [], []
+    rows, forwarded, reasons = [], [], Counter[str]()
     for i in range(0, len(frames), 16):
         batch = engine.run(np.ascontiguousarray(frames[i : i + 16]))
         rows.append(batch)
-        forwarded += [d.forward for d in router.decide_batch(batch)]
-    return _Pass(np.concatenate(rows), np.asarray(forwarded, dtype=bool))
+        decisions = router.decide_batch(batch)
+        forwarded += [d.forward for d in decisions]
+        reasons.update(str(d.reason) for d in decisions if d.forward)
+    return _Pass(np.concatenate(rows), np.asarray(forwarded, dtype=bool), dict(reasons))
 
 
 def _teacher_rows(teacher: TeacherModel, frames: np.ndarray) -> np.ndarray:
@@ -206,6 +210,7 @@ def run_detection_loop(
             "hybrid_map50_drifted": _map(_hybrid(drifted, teacher_test), test_drifted),
             "forward_rate_drifted": round(float(drifted.forwarded.mean()), 4),
             "forward_rate_clean": round(float(clean.forwarded.mean()), 4),
+            "forward_reasons_drifted": drifted.reasons,
         }
 
     serving_onnx, serving_pt = refs.student_int8_onnx, refs.student_pt
