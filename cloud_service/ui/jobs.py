@@ -93,31 +93,42 @@ def _rows(data: dict[str, Any], prefix: str = "") -> list[list[str]]:
 
 
 # How the page names a task's gate metric (shared.tasks); others show as written.
-_METRIC_NAMES = {"top1_accuracy": "top-1"}
+_METRIC_NAMES = {"top1_accuracy": "top-1", "map50": "mAP@0.5"}
+# Further evaluations a task's job reports beside the gate's metric, each a models by
+# data sets table of its own.
+_MORE_EVALUATIONS = {"evaluation_map50_95": "mAP@0.5:0.95"}
+
+
+def _evaluation_table(evaluation: Any, metric_name: str) -> dict[str, Any] | None:
+    if not isinstance(evaluation, dict) or not evaluation:
+        return None
+    data_sets = list(next(iter(evaluation.values())))
+    return {
+        "title": f"Evaluation ({metric_name}, %)",
+        "columns": ["model", *data_sets],
+        "rows": [
+            [model, *(f"{100 * float(by.get(d, 0.0)):.1f}" for d in data_sets)]
+            for model, by in evaluation.items()
+        ],
+    }
 
 
 def metric_tables(metrics: dict[str, Any]) -> list[dict[str, Any]]:
     """A job's metrics as tables the page draws: the evaluation as models by data sets
-    (in the gate's metric, %), the gate, then each other section as name/value rows."""
+    (in the gate's metric, %, then any further metric the task reports), the gate,
+    then each other section as name/value rows."""
     tables: list[dict[str, Any]] = []
-    evaluation = metrics.get("evaluation")
     gate = metrics.get("gate")
     metric = str(gate.get("metric") or "") if isinstance(gate, dict) else ""
-    if isinstance(evaluation, dict) and evaluation:
-        data_sets = list(next(iter(evaluation.values())))
-        tables.append(
-            {
-                "title": f"Evaluation ({_METRIC_NAMES.get(metric, metric or 'top-1')}, %)",
-                "columns": ["model", *data_sets],
-                "rows": [
-                    [model, *(f"{100 * float(by.get(d, 0.0)):.1f}" for d in data_sets)]
-                    for model, by in evaluation.items()
-                ],
-            }
-        )
+    evaluations = [(metrics.get("evaluation"), _METRIC_NAMES.get(metric, metric or "top-1"))]
+    evaluations += [(metrics.get(key), name) for key, name in _MORE_EVALUATIONS.items()]
+    for evaluation, name in evaluations:
+        table = _evaluation_table(evaluation, name)
+        if table is not None:
+            tables.append(table)
     scalars: dict[str, Any] = {}
     for key, value in metrics.items():
-        if key in ("evaluation", "history", "params"):
+        if key in ("evaluation", "history", "params", *_MORE_EVALUATIONS):
             continue
         if isinstance(value, dict):
             rows = _rows(value)
