@@ -250,3 +250,21 @@ def test_the_detector_gate_refuses_and_nothing_is_registered(setup: dict[str, An
         assert any("no better on recent data" in r for r in job.metrics["gate"]["reasons"])
         versions = s.scalars(select(ModelVersion.version)).all()
         assert versions == ["ref"]
+
+
+def test_a_users_coco_folder_is_the_jobs_replay_and_reference(
+    setup: dict[str, Any], tmp_path: Path
+) -> None:
+    from distill.detection_formats import write_coco
+
+    scenes = render_scenes("validation", reference_scenario(160)).subset(np.arange(30))
+    write_coco(scenes, tmp_path / "belt-labels")
+    params = {**PARAMS, **OPEN_GATE, "data_dir": str(tmp_path / "belt-labels"), "delivery": "none"}
+    job_id = _run_job(setup, params)
+    with setup["sessions"]() as s:
+        job = jobs.get_job(session=s, job_id=job_id)
+        assert job.state == "succeeded", job.error
+        m = job.metrics
+    assert m["reference"]["source"] == f"data_dir {tmp_path / 'belt-labels'}"
+    assert m["sizes"]["reference"] == 9  # 30% of the folder's 30 frames; the rest replays
+    assert set(m["evaluation"]["new_int8"]) == {"holdout", "reference", "drift:background:1"}
