@@ -28,14 +28,12 @@ detection task (``shared.tasks.detection``); the ML is ``distill.detector_distil
 from __future__ import annotations
 
 import hashlib
-import io
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -49,7 +47,12 @@ from cloud_service.jobs.deliver import (
     store_checkpoint,
 )
 from cloud_service.jobs.job import JobRun, warm_start_candidates
-from cloud_service.jobs.snapshot import TRAINABLE_STATUSES, FleetState, ServingStudent
+from cloud_service.jobs.snapshot import (
+    TRAINABLE_STATUSES,
+    FleetState,
+    ServingStudent,
+    decode_frame,
+)
 from cloud_service.jobs.tables import DatasetSnapshot
 from distill.detection_formats import load_detection_folder
 from distill.detector_cache import reference_scenario
@@ -107,14 +110,6 @@ def _frame_boxes(rows: Sequence[Sequence[float]], size: int, classes: int) -> Fr
     return FrameBoxes.of(arr[:, :4] * size, arr[:, 5], arr[:, 4])
 
 
-def _decode(data: bytes, size: int) -> np.ndarray:
-    with Image.open(io.BytesIO(data)) as img:
-        rgb = img.convert("RGB")
-        if rgb.size != (size, size):
-            rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
-        return np.asarray(rgb, dtype=np.uint8)
-
-
 def _share(text: str) -> float:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") / 2**32
 
@@ -142,7 +137,7 @@ def _snapshot(job: JobRun, student: ServingStudent) -> _Snapshot:
     groups: dict[str, list[int]] = {}
     pixels: list[np.ndarray] = []
     for i, row in enumerate(rows):
-        frame = _decode(services.blobs.get(row.image_key), size)
+        frame = decode_frame(services.blobs.get(row.image_key), size)
         key = hashlib.sha256(frame.tobytes()).hexdigest()
         if key not in groups:
             pixels.append(frame)

@@ -48,6 +48,7 @@ __all__ = [
     "ServingStudent",
     "Snapshot",
     "VerifiedRow",
+    "decode_frame",
     "distinct_frames",
     "keep_known_classes",
     "read_fleet",
@@ -258,7 +259,8 @@ def split_frames(
     return train, val, holdout
 
 
-def _decode(data: bytes, size: int) -> np.ndarray:
+def decode_frame(data: bytes, size: int) -> np.ndarray:
+    """A stored frame as uint8 RGB at ``size`` x ``size`` (resized when it is not)."""
     with Image.open(io.BytesIO(data)) as img:
         rgb = img.convert("RGB")
         if rgb.size != (size, size):
@@ -309,7 +311,7 @@ def take_snapshot(
     split_by = "recent" if reference.kind == "scenario" else "sample-id"
     pixels = np.empty((len(rows), size, size, 3), dtype=np.uint8)
     for i, r in enumerate(rows):
-        pixels[i] = _decode(services.blobs.get(r.image_key), size)
+        pixels[i] = decode_frame(services.blobs.get(r.image_key), size)
         if i % 64 == 0:
             ctx.check()
     distinct = distinct_frames(rows, pixels)

@@ -1,14 +1,40 @@
-"""Fixtures for the job tests: a migrated database and its sessions."""
+"""Fixtures for the job tests: a migrated database and its sessions; helpers that store
+frames and run one queued job."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
+from typing import Any
 
+import numpy as np
 import pytest
+from PIL import Image
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
+from cloud_service.jobs import queue as jobs
+from cloud_service.jobs.runner import make_runner
+from cloud_service.jobs.worker import DistillWorker
+
+
+def png_bytes(frame: np.ndarray) -> bytes:
+    """A frame as the PNG bytes a sample's blob holds."""
+    buffer = io.BytesIO()
+    Image.fromarray(frame).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def run_one_job(setup: dict[str, Any], params: dict[str, Any]) -> int:
+    """Queue a job with ``params`` and let one worker run it (``setup`` holds the
+    ``sessions`` and the ``services``); the job's id."""
+    sessions = setup["sessions"]
+    with sessions.begin() as s:
+        job_id = jobs.enqueue(session=s, params=params, reason="test").id
+    worker = DistillWorker(sessions, runner=make_runner(setup["services"]), lease_s=10)
+    assert worker.run_once() == job_id
+    return int(job_id)
 
 
 @pytest.fixture

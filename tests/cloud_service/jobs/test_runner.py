@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import random
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -11,7 +10,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from PIL import Image
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -21,9 +19,8 @@ from cloud_service.blobs import LocalBlobStore
 from cloud_service.db.models import FleetModel, ModelVersion, Sample, Verdict
 from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
 from cloud_service.jobs import queue as jobs
-from cloud_service.jobs.runner import PipelineServices, make_runner
+from cloud_service.jobs.runner import PipelineServices
 from cloud_service.jobs.tables import DatasetSnapshot
-from cloud_service.jobs.worker import DistillWorker
 from distill.cache import ReferenceModels
 from distill.drift import apply_drift, parse_drift_spec
 from distill.evaluate import OnnxClassifier
@@ -32,18 +29,13 @@ from shared.ids import SampleIdGenerator
 from shared.manifest import FleetSigningKey
 from shared.messages import ModelAnnouncement, decode_message
 from shared.topics import Topics
+from tests.cloud_service.jobs.conftest import png_bytes, run_one_job
 
 FLEET = "line-1"
 
 
 def frames_seeded(session: Session) -> list[str]:
     return list(session.scalars(select(Sample.sample_id)).all())
-
-
-def _png(frame: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(frame).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def seed_verified(
@@ -66,7 +58,7 @@ def seed_verified(
         for i, (frame, scores) in enumerate(zip(frames, teacher_scores, strict=True)):
             sid = new_id()
             key = f"samples/{fleet}/cam/{sid}.png"
-            data = _png(frame)
+            data = png_bytes(frame)
             blobs.put(key, data)
             at = base + timedelta(seconds=i)
             label = int(np.argmax(scores))
@@ -173,19 +165,9 @@ QUICK_PARAMS = {
 }
 
 
-def _run_job(setup: dict[str, Any], params: dict[str, Any]) -> int:
-    """Queue a job with ``params`` and let one worker run it; its id."""
-    sessions = setup["sessions"]
-    with sessions.begin() as s:
-        job_id = jobs.enqueue(session=s, params=params, reason="test").id
-    worker = DistillWorker(sessions, runner=make_runner(setup["services"]), lease_s=10)
-    assert worker.run_once() == job_id
-    return int(job_id)
-
-
 def test_a_quick_job_end_to_end_registers_and_delivers(setup: dict[str, Any]) -> None:
     sessions = setup["sessions"]
-    job_id = _run_job(setup, QUICK_PARAMS)
+    job_id = run_one_job(setup, QUICK_PARAMS)
     with sessions() as s:
         job = jobs.get_job(session=s, job_id=job_id)
         assert job.state == "succeeded", job.error
@@ -221,7 +203,7 @@ def test_a_quick_job_end_to_end_registers_and_delivers(setup: dict[str, Any]) ->
 
 def test_a_job_with_candidates_keeps_the_lowest_validation_nll(setup: dict[str, Any]) -> None:
     sessions = setup["sessions"]
-    job_id = _run_job(setup, {**QUICK_PARAMS, "candidates": 2, "delivery": "none"})
+    job_id = run_one_job(setup, {**QUICK_PARAMS, "candidates": 2, "delivery": "none"})
     with sessions() as s:
         job = jobs.get_job(session=s, job_id=job_id)
         assert job.state == "succeeded", job.error
@@ -236,7 +218,7 @@ def test_a_job_with_candidates_keeps_the_lowest_validation_nll(setup: dict[str, 
 def test_the_gate_refuses_and_nothing_is_registered(setup: dict[str, Any]) -> None:
     sessions = setup["sessions"]
     # A gain no model can show.
-    job_id = _run_job(setup, {**QUICK_PARAMS, "epochs": 1, "min_gain": 0.9})
+    job_id = run_one_job(setup, {**QUICK_PARAMS, "epochs": 1, "min_gain": 0.9})
     with sessions() as s:
         job = jobs.get_job(session=s, job_id=job_id)
         assert job.state == "succeeded" and job.result_version is None
@@ -250,7 +232,7 @@ def test_the_gate_refuses_and_nothing_is_registered(setup: dict[str, Any]) -> No
 
 def test_too_few_samples_fails_clearly(setup: dict[str, Any]) -> None:
     sessions = setup["sessions"]
-    job_id = _run_job(setup, {**QUICK_PARAMS, "min_samples": 5000})
+    job_id = run_one_job(setup, {**QUICK_PARAMS, "min_samples": 5000})
     with sessions() as s:
         job = jobs.get_job(session=s, job_id=job_id)
         assert job.state == "failed" and "only 179 verified samples" in (job.error or "")

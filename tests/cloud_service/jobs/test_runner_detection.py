@@ -3,7 +3,6 @@ teacher boxes and reviewers' boxes in, a gated INT8 detector registered and anno
 
 from __future__ import annotations
 
-import io
 import random
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -12,7 +11,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from PIL import Image
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -23,9 +21,8 @@ from cloud_service.db.models import FleetModel, Label, ModelVersion, Sample, Ver
 from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
 from cloud_service.jobs import queue as jobs
 from cloud_service.jobs.detection import detection_rows
-from cloud_service.jobs.runner import PipelineServices, make_runner
+from cloud_service.jobs.runner import PipelineServices
 from cloud_service.jobs.tables import DatasetSnapshot
-from cloud_service.jobs.worker import DistillWorker
 from distill.detector_cache import ReferenceDetectors, reference_scenario
 from distill.detector_eval import OnnxDetector
 from distill.scene_drift import apply_scene_drift
@@ -35,15 +32,10 @@ from shared.manifest import FleetSigningKey
 from shared.messages import ModelAnnouncement, decode_message
 from shared.tasks import DETECTION
 from shared.topics import Topics
+from tests.cloud_service.jobs.conftest import png_bytes, run_one_job
 
 FLEET = "belt-1"
 NAME = "belt-detector"
-
-
-def _png(frame: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(frame).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def seed_detections(
@@ -64,7 +56,7 @@ def seed_detections(
     ids = []
     with sessions.begin() as s:
         for i, frame in enumerate(frames):
-            sid, at, data = new_id(), base + timedelta(seconds=i), _png(frame)
+            sid, at, data = new_id(), base + timedelta(seconds=i), png_bytes(frame)
             key = f"samples/{FLEET}/cam/{sid}.png"
             blobs.put(key, data)
             s.add(
@@ -184,14 +176,6 @@ PARAMS: dict[str, Any] = {
 OPEN_GATE = {"min_gain": -1.0, "max_reference_drop": 1.0, "int8_tolerance": 1.0}
 
 
-def _run_job(setup: dict[str, Any], params: dict[str, Any]) -> int:
-    with setup["sessions"].begin() as s:
-        job_id = jobs.enqueue(session=s, params=params, reason="test").id
-    worker = DistillWorker(setup["sessions"], runner=make_runner(setup["services"]), lease_s=10)
-    assert worker.run_once() == job_id
-    return int(job_id)
-
-
 def test_the_snapshot_reads_teacher_boxes_and_the_newest_reviewers_boxes(
     setup: dict[str, Any],
 ) -> None:
@@ -208,7 +192,7 @@ def test_a_detection_job_trains_gates_registers_and_announces_a_detector(
     setup: dict[str, Any],
 ) -> None:
     sessions = setup["sessions"]
-    job_id = _run_job(setup, {**PARAMS, **OPEN_GATE})
+    job_id = run_one_job(setup, {**PARAMS, **OPEN_GATE})
     with sessions() as s:
         job = jobs.get_job(session=s, job_id=job_id)
         assert job.state == "succeeded", job.error
@@ -241,7 +225,7 @@ def test_a_detection_job_trains_gates_registers_and_announces_a_detector(
 
 def test_the_detector_gate_refuses_and_nothing_is_registered(setup: dict[str, Any]) -> None:
     sessions = setup["sessions"]
-    job_id = _run_job(setup, {**PARAMS, "min_gain": 0.9, "drift_eval": ""})
+    job_id = run_one_job(setup, {**PARAMS, "min_gain": 0.9, "drift_eval": ""})
     with sessions() as s:
         job = jobs.get_job(session=s, job_id=job_id)
         assert job.state == "succeeded", job.error
@@ -260,7 +244,7 @@ def test_a_users_coco_folder_is_the_jobs_replay_and_reference(
     scenes = render_scenes("validation", reference_scenario(160)).subset(np.arange(30))
     write_coco(scenes, tmp_path / "belt-labels")
     params = {**PARAMS, **OPEN_GATE, "data_dir": str(tmp_path / "belt-labels"), "delivery": "none"}
-    job_id = _run_job(setup, params)
+    job_id = run_one_job(setup, params)
     with setup["sessions"]() as s:
         job = jobs.get_job(session=s, job_id=job_id)
         assert job.state == "succeeded", job.error
