@@ -58,7 +58,7 @@ from distill.detection_formats import load_detection_folder
 from distill.detector_cache import reference_scenario
 from distill.detector_distill import DetectorGate, DetectorRound, distil_detector
 from distill.detector_train import DetTrainConfig, FrameBoxes
-from distill.detectors import load_detector
+from distill.detectors import DetectorMeta, load_detector
 from distill.scenario import DIGIT_CLASSES
 from distill.scenes import DetectionSet, render_scenes
 from shared.errors import DataError, ModelError
@@ -210,7 +210,9 @@ def _replay_and_reference(
     return replay, reference, f"the reference scenario at {size} px"
 
 
-def _serving_checkpoint(job: JobRun, fleet: FleetState, student: ServingStudent) -> Path:
+def _serving_checkpoint(
+    job: JobRun, fleet: FleetState, student: ServingStudent
+) -> tuple[Path, DetectorMeta]:
     for source, path in warm_start_candidates(job, fleet, student):
         try:
             loaded = load_detector(path)
@@ -221,17 +223,16 @@ def _serving_checkpoint(job: JobRun, fleet: FleetState, student: ServingStudent)
             job.report.log(f"warm start: {source} has other classes; skipped", level="warning")
             continue
         job.report.log(f"warm start from {source}")
-        return path
+        return path, loaded.meta
     raise ModelError(
         "no detector checkpoint of the fleet's classes to start from: give base_checkpoint,"
         " or keep the .pt that trained the serving detector beside it"
     )
 
 
-def _round_config(job: JobRun, checkpoint: Path) -> DetTrainConfig:
+def _round_config(job: JobRun, meta: DetectorMeta) -> DetTrainConfig:
     """The serving student's own training settings, with the round's changes."""
     p, given = job.params, job.ctx.params
-    meta = load_detector(checkpoint).meta
     own = DetTrainConfig(**meta.train_config) if meta.train_config else DetTrainConfig()
     changes: dict[str, Any] = {
         "threads": p.threads,
@@ -284,8 +285,8 @@ def run_detection_job(job: JobRun, fleet: FleetState, student: ServingStudent) -
     report.log(f"classes ({len(student.classes)}): {', '.join(student.classes)}; {source}")
     report.lap("snapshot")
     report.progress("train", 5)
-    checkpoint = _serving_checkpoint(job, fleet, student)
-    config = _round_config(job, checkpoint)
+    checkpoint, meta = _serving_checkpoint(job, fleet, student)
+    config = _round_config(job, meta)
     version = f"d{ctx.job_id}.{ctx.attempt}"
     drifts = [d for d in p.drift_eval.split(",") if d.strip()] if reference is not None else []
     if reference is not None and len(reference) > p.drift_eval_frames:

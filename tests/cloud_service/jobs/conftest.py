@@ -13,6 +13,7 @@ from PIL import Image
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from cloud_service import registry
 from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
 from cloud_service.jobs import queue as jobs
 from cloud_service.jobs.runner import make_runner
@@ -49,3 +50,25 @@ def engine(database_url: str) -> Iterator[Engine]:
 @pytest.fixture
 def sessions(engine: Engine) -> sessionmaker[Session]:
     return make_session_factory(engine)
+
+
+def serve_model(
+    sessions: sessionmaker[Session], *, artifact: Any, name: str, fleet: str, **services: Any
+) -> None:
+    """Register ``artifact`` as ``name`` version "ref" (INT8) and promote it to ``fleet``;
+    ``services`` are the registry's: ``blobs``, ``key``, ``announcer``, ``topics``."""
+    blobs, key = services["blobs"], services["key"]
+    with sessions.begin() as s:
+        registry.register_model(
+            session=s,
+            blobs=blobs,
+            key=key,
+            artifact=artifact,
+            name=name,
+            version="ref",
+            format="int8",
+        )
+        registry.promote(
+            session=s, announcer=services["announcer"], topics=services["topics"],
+            fleet=fleet, name=name, version="ref", key=key,
+        )  # fmt: skip

@@ -29,7 +29,7 @@ from shared.ids import SampleIdGenerator
 from shared.manifest import FleetSigningKey
 from shared.messages import ModelAnnouncement, decode_message
 from shared.topics import Topics
-from tests.cloud_service.jobs.conftest import png_bytes, run_one_job
+from tests.cloud_service.jobs.conftest import png_bytes, run_one_job, serve_model
 
 FLEET = "line-1"
 
@@ -112,25 +112,16 @@ def setup(
     key = FleetSigningKey.generate()
     announcer = MemoryAnnouncer()
     topics = Topics(prefix="edgeloop-test/pipeline/v1")
-    with sessions.begin() as s:
-        registry.register_model(
-            session=s,
-            blobs=blobs,
-            key=key,
-            artifact=quick_models.student_int8_onnx,
-            name="edgeloop-student",
-            version="ref",
-            format="int8",
-        )
-        registry.promote(
-            session=s,
-            announcer=announcer,
-            topics=topics,
-            fleet=FLEET,
-            name="edgeloop-student",
-            version="ref",
-            key=key,
-        )
+    serve_model(
+        sessions,
+        artifact=quick_models.student_int8_onnx,
+        name="edgeloop-student",
+        fleet=FLEET,
+        blobs=blobs,
+        key=key,
+        announcer=announcer,
+        topics=topics,
+    )
     # 200 stream frames under blur, labelled by the teacher (what the verifier stores).
     stream = render_split("stream", quick_scenario)
     frames = apply_drift(stream, parse_drift_spec("blur:1"), seed=3)[:200]

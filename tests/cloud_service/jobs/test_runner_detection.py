@@ -14,7 +14,6 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from cloud_service import registry
 from cloud_service.announce import MemoryAnnouncer
 from cloud_service.blobs import LocalBlobStore
 from cloud_service.db.models import FleetModel, Label, ModelVersion, Sample, Verdict
@@ -32,7 +31,7 @@ from shared.manifest import FleetSigningKey
 from shared.messages import ModelAnnouncement, decode_message
 from shared.tasks import DETECTION
 from shared.topics import Topics
-from tests.cloud_service.jobs.conftest import png_bytes, run_one_job
+from tests.cloud_service.jobs.conftest import png_bytes, run_one_job, serve_model
 
 FLEET = "belt-1"
 NAME = "belt-detector"
@@ -113,25 +112,16 @@ def setup(tmp_path: Path, quick_detectors: ReferenceDetectors) -> Iterator[dict[
     blobs = LocalBlobStore(tmp_path / "blobs", fsync=False)
     key, announcer = FleetSigningKey.generate(), MemoryAnnouncer()
     topics = Topics(prefix="edgeloop-test/detection-job/v1")
-    with sessions.begin() as s:
-        registry.register_model(
-            session=s,
-            blobs=blobs,
-            key=key,
-            artifact=quick_detectors.student_int8_onnx,
-            name=NAME,
-            version="ref",
-            format="int8",
-        )
-        registry.promote(
-            session=s,
-            announcer=announcer,
-            topics=topics,
-            fleet=FLEET,
-            name=NAME,
-            version="ref",
-            key=key,
-        )
+    serve_model(
+        sessions,
+        artifact=quick_detectors.student_int8_onnx,
+        name=NAME,
+        fleet=FLEET,
+        blobs=blobs,
+        key=key,
+        announcer=announcer,
+        topics=topics,
+    )
     # The quick stream on a new belt (background drift), boxed by the teacher; every
     # fourth frame reviewed.
     scenario = reference_scenario(quick_detectors.frame_size)
