@@ -9,7 +9,8 @@ file keeps two processes from building the same entry at once.
 
 ``bootstrap_reference_detectors(cache_dir, quick=...)`` builds what is missing:
 
-- the teacher, trained on the ground truth of the training split;
+- the teacher, trained on the ground truth of the training split, shown each frame
+  clean or in one of ``drift_views`` random mixes of the named drifts;
 - the student, trained on the same frames' ground truth (the human labels) plus
   ``pseudo_frames`` further frames from the training pool that only the teacher
   labelled (its boxes at or above the student's ``min_score``), exported to ONNX and
@@ -45,6 +46,7 @@ from distill.detector_train import (
 from distill.detectors import DetectorMeta, detector_profile, save_detector
 from distill.quantize_static import DEFAULT_SETTINGS, QuantSettings
 from distill.scenario import DIGIT_CLASSES, Split, load_digit_sources
+from distill.scene_drift import random_scene_drifts
 from distill.scenes import DetectionSet, SceneConfig, render_scenes
 from shared.errors import ModelError
 
@@ -85,7 +87,7 @@ class DetectorReferenceConfig:
         if not quick:
             return cls(
                 scenario=SceneConfig(),
-                teacher=DetTrainConfig(role="teacher", epochs=20, crop=160),
+                teacher=DetTrainConfig(role="teacher", epochs=20, crop=160, drift_views=2),
                 student=DetTrainConfig(role="student", epochs=40, crop=160),
                 pseudo_frames=500,
             )
@@ -181,12 +183,14 @@ def _build_teacher(
     started = time.perf_counter()
     train, val, test = _scenario_sets(cfg, "train", "validation", "test")
     name, version, size = f"{_NAME}-teacher", f"ref-{key[:12]}", cfg.scenario.frame_size
+    views = [random_scene_drifts(train, seed=k) for k in range(cfg.teacher.drift_views)]
     result = train_detector(
         cfg.teacher,
         train.frames,
         labels_from_set(train),
         class_names=train.class_names,
         val_set=val,
+        views=[(v.frames, labels_from_set(v)) for v in views],
         progress=progress,
         console=console,
     )

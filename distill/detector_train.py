@@ -20,7 +20,9 @@ centre cells.
 Augmentation is modest on purpose: no flips (a mirrored digit is another digit or
 none), a small scale jitter per batch, and training crops (a fully convolutional
 network learns the same from a crop of a frame at a fraction of the cost; objects cut
-by a crop's edge are ignored rather than taught half).
+by a crop's edge are ignored rather than taught half). A teacher meant to stay right
+when the line drifts also sees drifted views of its frames (``drift_views``): the
+same scenes under random mixes of the named drifts, boxes moved with the objects.
 
 ``replay_share`` of every epoch is drawn from a second, reference set of frames and
 labels (replay against forgetting, when a student is fine-tuned on new frames).
@@ -85,6 +87,11 @@ class DetTrainConfig:
     min_score: float = 0.3  # labels below it are not objects
     ignore_score: float = 0.1  # labels in [ignore_score, min_score) are ignored regions
     replay_share: float = 0.0  # share of each epoch drawn from the replay set
+    # Drifted renderings of the training frames (built by the caller, which holds the
+    # scenes: ``distill.scene_drift.random_scene_drifts``); each epoch shows every frame
+    # clean with probability ``p_clean``, else one of its drifted views at random.
+    drift_views: int = 0
+    p_clean: float = 0.3
     size_weight: float = 0.2
     offset_weight: float = 1.0
     # One intra-op thread by default: where the cores are shared with other work,
@@ -110,6 +117,8 @@ class DetTrainConfig:
             raise ModelError("need 0 <= ignore_score <= min_score <= 1")
         if not 0.0 <= self.replay_share < 1.0:
             raise ModelError(f"replay_share must be in [0, 1), got {self.replay_share}")
+        if self.drift_views < 0 or not 0.0 <= self.p_clean <= 1.0:
+            raise ModelError("drift_views must be >= 0 and p_clean in [0, 1]")
 
     def with_(self, **overrides: Any) -> DetTrainConfig:
         return replace(self, **overrides)
@@ -118,6 +127,9 @@ class DetTrainConfig:
         d = asdict(self)
         d.pop("threads")
         d.pop("eval_every")
+        if not self.drift_views:  # keys of runs without drifted views stay as they were
+            d.pop("drift_views")
+            d.pop("p_clean")
         return d
 
 
@@ -292,6 +304,15 @@ def _epoch_order(
     return [items[j] for j in order]
 
 
+def _view_choice(n_main: int, n_views: int, cfg: DetTrainConfig, epoch: int) -> np.ndarray:
+    """Per main frame of one epoch: -1 (show it clean) or the drifted view to show."""
+    if not n_views:
+        return np.full(n_main, -1, np.int64)
+    rng = np.random.default_rng([cfg.seed, epoch, 7])
+    clean = rng.uniform(size=n_main) < cfg.p_clean
+    return np.where(clean, -1, rng.integers(0, n_views, size=n_main))
+
+
 def _moved(
     lab: FrameBoxes, cfg: DetTrainConfig, corner: tuple[int, int], factor: float, side: int
 ) -> tuple[FrameBoxes, np.ndarray]:
@@ -382,6 +403,7 @@ def train_detector(
     class_names: Sequence[str],
     val_set: DetectionSet | None = None,
     replay: tuple[np.ndarray, Sequence[FrameBoxes]] | None = None,
+    views: Sequence[tuple[np.ndarray, Sequence[FrameBoxes]]] = (),
     init: nn.Module | Mapping[str, torch.Tensor] | None = None,
     progress: bool = False,
     console: Console | None = None,
@@ -390,6 +412,8 @@ def train_detector(
     """Train one detector on uint8 NHWC ``frames`` with one ``FrameBoxes`` each.
 
     ``replay`` (frames, labels) supplies ``config.replay_share`` of every epoch;
+    ``views`` are ``config.drift_views`` drifted renderings (frames, labels) of the
+    training frames, one picked per frame and epoch unless it is shown clean;
     ``init`` warm-starts from a network of the same architecture (or its state dict);
     ``val_set`` is scored (mAP@0.5) after the last epoch (and every ``eval_every``);
     ``on_epoch(record)`` receives each epoch's losses (and score) as it ends.
@@ -415,6 +439,11 @@ def train_detector(
             raise DataError("replay frames must match the training frames and have one label each")
         sources.append(replay)
     n_replay = len(replay[0]) if replay is not None else 0
+    if len(views) != cfg.drift_views:
+        raise DataError(f"the config asks for {cfg.drift_views} drifted views, got {len(views)}")
+    for view_frames, view_labels in views:
+        if view_frames.shape != frames.shape or len(view_labels) != len(labels):
+            raise DataError("each drifted view needs the training frames' shape and one label each")
     objects = sum(int((lab.scores >= cfg.min_score).sum()) for lab in labels)
 
     # -- model -------------------------------------------------------------------
@@ -442,12 +471,17 @@ def train_detector(
         for epoch in range(1, cfg.epochs + 1):
             net.train()
             order = _epoch_order(len(frames), n_replay, cfg, epoch)
+            view_of = _view_choice(len(frames), len(views), cfg, epoch)
             sums = {"loss": 0.0, "heat": 0.0, "size": 0.0, "offset": 0.0}
             steps = 0
             for step, start in enumerate(range(0, len(order), cfg.batch_size)):
                 picks = order[start : start + cfg.batch_size]
-                batch = np.stack([sources[s][0][i] for s, i in picks])  # uint8 [B, S, S, 3]
-                batch_labels = [sources[s][1][i] for s, i in picks]
+                shown = [
+                    views[view_of[i]] if s == 0 and view_of[i] >= 0 else sources[s]
+                    for s, i in picks
+                ]
+                batch = np.stack([src[0][i] for src, (_, i) in zip(shown, picks, strict=True)])
+                batch_labels = [src[1][i] for src, (_, i) in zip(shown, picks, strict=True)]
                 rng = np.random.default_rng([cfg.seed, epoch, step])
                 x, boxes, ignored = _augment(batch, batch_labels, cfg, rng)  # [B, 3, s, s]
                 x = x.contiguous(memory_format=torch.channels_last)
@@ -489,6 +523,7 @@ def train_detector(
         "epochs": cfg.epochs,
         "train_frames": len(frames),
         "replay_frames": n_replay,
+        "drift_views": len(views),
         "train_objects": objects,
         "train_wall_s": round(wall, 2),
         "final_loss": history[-1]["loss"],

@@ -36,10 +36,17 @@ from distill.drift import (
     apply_drift_frame,
     format_drift_spec,
     parse_drift_spec,
+    random_drift_spec,
 )
 from distill.scenes import INK_THRESHOLD, DetectionSet, box_visibility
 
-__all__ = ["MIN_IN_FRAME", "ROTATION_MAX_DEGREES", "apply_scene_drift", "rotation_angle"]
+__all__ = [
+    "MIN_IN_FRAME",
+    "ROTATION_MAX_DEGREES",
+    "apply_scene_drift",
+    "random_scene_drifts",
+    "rotation_angle",
+]
 
 # Same scale as distill.drift's rotation (DRIFT_KINDS["rotation"] documents it).
 ROTATION_MAX_DEGREES = 30.0
@@ -217,4 +224,38 @@ def apply_scene_drift(ds: DetectionSet, spec: Sequence[Drift] | str, seed: int =
         sources=sources,
         identity=f"{ds.identity}/drift:{format_drift_spec(drifts)}@{seed}",
         notes={**ds.notes, "drift": format_drift_spec(drifts), "drift_seed": seed},
+    )
+
+
+def random_scene_drifts(ds: DetectionSet, seed: int, *, max_drifts: int = 2) -> DetectionSet:
+    """Each frame of ``ds`` under its own random mix of 1..``max_drifts`` named drifts.
+
+    A training view for drift augmentation: the mixes and severities come from
+    ``distill.drift.random_drift_spec`` (as the classifier teacher's augmentation),
+    drawn from ``seed``; boxes move with their objects as in ``apply_scene_drift``.
+    """
+    rng = np.random.default_rng([seed, 31])
+    parts = []
+    for i in range(len(ds)):
+        spec = random_drift_spec(rng, p_clean=0.0, max_drifts=max_drifts)
+        parts.append(apply_scene_drift(ds.subset(i), spec, seed=int(rng.integers(0, 2**31))))
+    frames = np.concatenate([p.frames for p in parts])
+    frames.setflags(write=False)
+
+    def joined(name: str) -> list[np.ndarray] | None:
+        if getattr(ds, name) is None:
+            return None
+        return [getattr(p, name)[0] for p in parts]
+
+    return DetectionSet(
+        frames=frames,
+        boxes=[p.boxes[0] for p in parts],
+        classes=[p.classes[0] for p in parts],
+        class_names=ds.class_names,
+        visible=joined("visible"),
+        masks=None if ds.masks is None else np.concatenate([p.masks for p in parts]),
+        outlines=joined("outlines"),
+        sources=joined("sources"),
+        identity=f"{ds.identity}/random-drifts@{seed}",
+        notes={**ds.notes, "drift": "random", "drift_seed": seed},
     )

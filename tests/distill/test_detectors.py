@@ -32,8 +32,9 @@ from distill.detector_train import (
     train_detector,
 )
 from distill.detectors import MAX_DETECTIONS, detector_profile, load_detector, net_detections
+from distill.scene_drift import random_scene_drifts
 from distill.scenes import DetectionSet, render_scenes
-from shared.errors import ModelError
+from shared.errors import DataError, ModelError
 from shared.tasks import DETECTION
 from shared.tasks.detection import average_precision
 
@@ -246,6 +247,37 @@ def test_training_is_deterministic() -> None:
     a, b, c = run(0), run(0), run(1)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_training_with_drifted_views() -> None:
+    ds = _tiny_set()
+    view = random_scene_drifts(ds, seed=0)
+    views = [(view.frames, labels_from_set(view))]
+    cfg = _tiny_config(drift_views=1, p_clean=0.0)
+    shown = train_detector(
+        cfg, ds.frames, labels_from_set(ds), class_names=ds.class_names, views=views
+    )
+    clean = train_detector(
+        cfg.with_(drift_views=0), ds.frames, labels_from_set(ds), class_names=ds.class_names
+    )
+    assert shown.metrics["drift_views"] == 1 and clean.metrics["drift_views"] == 0
+    a, b = shown.net.state_dict(), clean.net.state_dict()
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+    # Shown clean every time, the drifted view changes nothing.
+    always_clean = train_detector(
+        cfg.with_(p_clean=1.0),
+        ds.frames,
+        labels_from_set(ds),
+        class_names=ds.class_names,
+        views=views,
+    )
+    c = always_clean.net.state_dict()
+    assert all(torch.equal(b[k], c[k]) for k in b)
+    with pytest.raises(DataError, match="asks for 1 drifted views, got 0"):
+        train_detector(cfg, ds.frames, labels_from_set(ds), class_names=ds.class_names)
+    # Configs without views keep their cache keys; asking for views changes them.
+    assert "drift_views" not in cfg.with_(drift_views=0).cache_fields()
+    assert cfg.cache_fields()["drift_views"] == 1
 
 
 def test_training_from_teacher_pseudo_labels(quick_pair: ReferenceDetectors) -> None:

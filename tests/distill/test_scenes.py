@@ -6,7 +6,12 @@ from PIL import Image
 
 from distill.drift import DRIFT_KINDS, DRIFT_NAMES, Drift, DriftSpecError
 from distill.scenario import DIGIT_CLASSES, SPLITS, load_digit_sources, split_indices
-from distill.scene_drift import ROTATION_MAX_DEGREES, apply_scene_drift, rotation_angle
+from distill.scene_drift import (
+    ROTATION_MAX_DEGREES,
+    apply_scene_drift,
+    random_scene_drifts,
+    rotation_angle,
+)
 from distill.scenes import INK_THRESHOLD, DetectionSet, SceneConfig, box_visibility, render_scenes
 
 # Bypass the per-process cache to see what a fresh render produces.
@@ -281,3 +286,18 @@ def test_drift_specs_compose_and_are_checked(few: DetectionSet) -> None:
     with pytest.raises(DriftSpecError):
         apply_scene_drift(few, (Drift("blur", 0.5), Drift("blur", 0.2)))
     assert f"{ROTATION_MAX_DEGREES:g} degrees" in DRIFT_KINDS["rotation"].description
+
+
+def test_random_scene_drifts_give_each_frame_its_own_mix(few: DetectionSet) -> None:
+    view = random_scene_drifts(few, seed=3)
+    again = random_scene_drifts(few, seed=3)
+    np.testing.assert_array_equal(view.frames, again.frames)
+    assert not np.array_equal(view.frames, random_scene_drifts(few, seed=4).frames)
+    assert len(view) == len(few) and view.frames.shape == few.frames.shape
+    # Every frame drifts (no clean picks), each by its own amount.
+    change = np.abs(view.frames.astype(np.int16) - few.frames.astype(np.int16)).mean(axis=(1, 2, 3))
+    assert (change > 0).all() and len(np.unique(np.round(change, 3))) > len(few) // 2
+    # Classes stay with their frames; a rotation may move boxes or drop one turned out of view.
+    for before, after, b in zip(few.classes, view.classes, view.boxes, strict=True):
+        assert set(after.tolist()) <= set(before.tolist()) and b.shape == (len(after), 4)
+        assert ((b >= 0) & (b <= few.frame_size)).all()
