@@ -55,6 +55,7 @@ __all__ = [
     "DetectorReferenceConfig",
     "ReferenceDetectors",
     "bootstrap_reference_detectors",
+    "reference_detector_path",
     "reference_scenario",
 ]
 
@@ -334,6 +335,38 @@ def reference_scenario(frame_size: int) -> SceneConfig:
     if frame_size == quick.frame_size:
         return quick
     return replace(SceneConfig(), frame_size=frame_size)
+
+
+_DETECTOR_FILES = {
+    "teacher": ("teacher", "teacher.onnx"),
+    "student": ("student", "student.onnx"),
+    "student-int8": ("student", "student.int8.onnx"),
+}
+
+
+def reference_detector_path(
+    alias: str, cache_dir: Path | None = None, *, quick: bool = False
+) -> Path:
+    """The cached file for ``teacher``, ``student`` or ``student-int8`` of the reference
+    detector pair, without building it (``bootstrap_reference_detectors`` builds).
+
+    Raises ModelError if the pair has not been built into ``cache_dir``.
+    """
+    if alias not in _DETECTOR_FILES:
+        raise ModelError(
+            f"unknown reference detector {alias!r}; known: {', '.join(_DETECTOR_FILES)}"
+        )
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cfg = DetectorReferenceConfig.reference(quick=quick)
+    role, filename = _DETECTOR_FILES[alias]
+    key = cfg.teacher_key() if role == "teacher" else cfg.student_key()
+    path = _entry_dir(cache_dir, role, key) / filename
+    if not path.is_file():
+        raise ModelError(
+            f"reference detector {alias} is not in {cache_dir}; `edgeloop loop --task"
+            " detection` and `python -m bench.run --only detectors` build the pair"
+        )
+    return path
 
 
 def bootstrap_reference_detectors(

@@ -174,6 +174,19 @@ def project_command(
     verifier_per_s: float | None = typer.Option(
         None, min=0.001, help="Verifier samples/s per host measured elsewhere (e.g. a GPU host)."
     ),
+    host_cores: int | None = typer.Option(
+        None,
+        min=1,
+        max=1024,
+        help="Verifier host shape: its CPU cores; hosts come from the bench's verifier CPU"
+        " per sample (goal 1) instead of an end-to-end rate.",
+    ),
+    host_teacher_per_s: float | None = typer.Option(
+        None,
+        min=0.001,
+        help="With --host-cores: the teacher's measured batched samples/s on the host's"
+        " accelerator (without it the teacher runs on the host's CPU).",
+    ),
     frame_px: int = typer.Option(64, help="Envelope and image size from the bench: 64/224/640."),
     bench: list[Path] = BenchOption,
     database_url: str | None = typer.Option(
@@ -191,9 +204,20 @@ def project_command(
         merge_bench,
         parse_price_overrides,
     )
-    from simulations.projection import build_inputs, measure_row_bytes, print_projection, project
+    from simulations.projection import (
+        HostShape,
+        build_inputs,
+        host_capacity,
+        measure_row_bytes,
+        print_projection,
+        project,
+    )
 
     counts = _ints(cameras, "--cameras")
+    if host_teacher_per_s is not None and host_cores is None:
+        fail("--host-teacher-per-s states a host's accelerator: give --host-cores with it")
+    if host_cores is not None and verifier_per_s is not None:
+        fail("give either --verifier-per-s or a host shape (--host-cores), not both")
     try:
         prices = parse_price_overrides(set_)
     except ValueError as exc:
@@ -201,13 +225,21 @@ def project_command(
     fleet = _read_json(fleet_json)
     cost = _read_json(cost_json)
     try:
+        host_note = ""
+        if host_cores is not None:
+            shape = HostShape(host_cores, host_teacher_per_s)
+            cloud, cloud_cite = merge_bench(bench)["cloud"]
+            verifier_per_s, host_note = host_capacity(shape, cloud)
+            host_note = f"{cloud_cite}: {host_note}"
         measured = load_measured(
             bench,
             fleet_report=fleet,
             frame_px=frame_px,
             verifier_per_s=verifier_per_s,
-            verifier_kind="gpu" if verifier_per_s else "cpu",
+            verifier_kind="gpu" if verifier_per_s and host_teacher_per_s else "cpu",
         )
+        if host_note:
+            measured.sources["verifier_per_s"] = host_note
         share_source = "given on the command line"
         if forward_share is None and cost is not None:
             stream = stream if stream in cost["tables"] else next(iter(cost["tables"]))
@@ -258,11 +290,21 @@ def project_command(
         "sources": sources,
         "row_bytes": row_bytes,
         "verifier_note": (
-            f"verifier hosts from {inputs.verifier_per_s:g} samples/s per host"
+            f"verifier hosts from {inputs.verifier_per_s:,.0f} samples/s per host"
             f" ({measured.sources['verifier_per_s']}) at {inputs.cloud_utilisation:.0%}"
-            " planned utilisation. On this CPU-only machine that is a CPU figure; with a GPU"
-            " host, measure its end-to-end rate (edgeloop sim fleet against it, or make bench"
-            " on it) and pass --verifier-per-s."
+            " planned utilisation."
+            + (
+                f" A stated host of {host_cores} cores"
+                + (
+                    f" whose accelerator runs the teacher at {host_teacher_per_s:g}/s."
+                    if host_teacher_per_s
+                    else " running the teacher on its CPU."
+                )
+                if host_cores is not None
+                else " On this CPU-only machine that is a CPU figure; for a GPU host state"
+                " its shape (--host-cores, --host-teacher-per-s) or pass its measured"
+                " end-to-end rate (--verifier-per-s)."
+            )
         ),
     }
     if as_json:

@@ -12,11 +12,15 @@ Arithmetic on measured figures, each named with where it comes from:
   verifier itself;
 * the share of frames forwarded, from the cost model's accuracy run on the
   reference stream (``--cost-json``), or given;
-* verifier samples/s per host, from a fleet run's last healthy step, else
-  ``make bench``'s end-to-end figure. On this project's CPU-only machine that is a
-  CPU figure; for a GPU verifier pass ``--verifier-per-s`` with the GPU host's
-  measured end-to-end rate (the bench's GPU section measures the teacher alone, an
-  upper bound: ingest, decode and the database also bound a host);
+* verifier samples/s per host: for a stated host shape (``--host-cores``, and
+  ``--host-teacher-per-s`` for the teacher's measured rate on its accelerator), from
+  ``make bench``'s verifier CPU per sample beyond the teacher and the decode, the
+  decode's and (on a CPU host) the teacher's (``host_capacity``); else from a fleet
+  run's last healthy step, else ``make bench``'s end-to-end figure. On this
+  project's CPU-only machine that is a CPU figure; for a GPU verifier pass
+  ``--verifier-per-s`` with the GPU host's measured end-to-end rate (the bench's GPU
+  section measures the teacher alone, an upper bound: ingest, decode and the database
+  also bound a host);
 * envelope and image bytes, from ``make bench``'s envelope section.
 
 Message rates count PUBLISH packets the broker receives and delivers (QoS 1
@@ -37,7 +41,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["ProjectionInputs", "measure_row_bytes", "project", "project_many"]
+__all__ = [
+    "HostShape",
+    "ProjectionInputs",
+    "host_capacity",
+    "measure_row_bytes",
+    "project",
+    "project_many",
+]
 
 SECONDS_PER_DAY = 86_400
 # A typical ten-class verdict and edge answer, as the verifier and the agent store them.
@@ -61,6 +72,49 @@ class ProjectionInputs:
     heartbeat_s: float
     status_bytes: int
     receipt_flush_s: float
+
+
+@dataclass(frozen=True)
+class HostShape:
+    """A verifier host as stated: its CPU cores and, with an accelerator, the teacher's
+    measured batched samples/s on it (None: the teacher runs on the host's CPU)."""
+
+    cores: int
+    teacher_per_s: float | None = None
+
+
+def host_capacity(shape: HostShape, cloud: dict[str, Any]) -> tuple[float, str]:
+    """Samples/s one verifier host of ``shape`` sustains, from ``make bench``'s cloud
+    figures, and how it was reached.
+
+    Per sample the host's cores pay the verifier's own CPU beyond the teacher and the
+    JPEG decode (``verifier_overhead_ms_per_sample_1p``, goal 1 of the performance
+    issue) and the decode; on a CPU host the teacher's inference as well
+    (``teacher_cpu_ms_per_sample``). With an accelerator, the host sustains the lower
+    of what its cores feed and what the teacher infers.
+    """
+    try:
+        overhead = float(cloud["verifier_overhead_ms_per_sample_1p"])
+        decode = float(cloud["decode_cpu_ms_per_sample"])
+        teacher_cpu = float(cloud["teacher_cpu_ms_per_sample"])
+    except (KeyError, TypeError) as exc:
+        raise KeyError(
+            f"the bench's cloud section has no {exc}: run `make bench` (its cloud section"
+            " measures the verifier process) first"
+        ) from None
+    per_sample = overhead + decode + (teacher_cpu if shape.teacher_per_s is None else 0.0)
+    fed = shape.cores * 1000.0 / per_sample
+    if shape.teacher_per_s is None:
+        how = (
+            f"{shape.cores} cores / ({overhead:g} ms verifier + {decode:g} ms decode +"
+            f" {teacher_cpu:g} ms teacher on the CPU) per sample"
+        )
+        return fed, how
+    how = (
+        f"min({shape.cores} cores / ({overhead:g} ms verifier + {decode:g} ms decode) ="
+        f" {fed:,.0f}/s, teacher {shape.teacher_per_s:,.0f}/s)"
+    )
+    return min(fed, shape.teacher_per_s), how
 
 
 def project(cameras: int, i: ProjectionInputs) -> dict[str, Any]:

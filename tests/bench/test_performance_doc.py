@@ -42,7 +42,7 @@ def test_document_carries_host_goals_and_each_sections_tables(tmp_path: Path) ->
     assert "| CPU | Test CPU, 4 logical CPUs |" in text
     assert "| mode | quick" in text
     assert "| instruction sets | not recorded" in text
-    assert "| g | 0.9 | >= 0.8 | met |" in text
+    assert "| g | 0.9 | - | >= 0.8 | met |" in text
     assert "### envelope\n\nSample envelope:" in text  # the method, from bench/envelope.py
     assert "| a | b |\n|---|---|\n| 1 | 2 |" in text
     assert "## The closed loop" not in text and "## Fleet load" not in text

@@ -87,20 +87,50 @@ def test_the_cpu_table_shows_the_goal_budget_beside_the_teacher() -> None:
     assert "| cores busy | 1.50 of 2 | 1.50 of 2 |" in table
     assert "0.5 of the raw rate allows" in table and "| 1.8 | - |" in table
     assert "verifier processes" not in table  # not run: no column
+    assert "beyond the teacher" not in table
 
 
-def test_the_cpu_table_has_a_column_for_the_verifier_processes_when_they_ran() -> None:
+def test_the_cpu_table_has_a_column_per_verifier_run_and_its_own_cpu_beyond_the_teacher() -> None:
+    verifier = {**PER_MESSAGE, "verifier": 2.9}
     table = bench_cloud._cpu_table(
         {
             "e2e_cpu_ms_per_sample": PER_MESSAGE,
-            "e2e_workers_cpu_ms_per_sample": {**PER_MESSAGE, "cores busy": 1.9},
+            "deployed_1_cpu_ms_per_sample": verifier,
+            "e2e_workers_cpu_ms_per_sample": {**verifier, "cores busy": 1.9},
             "raw_cpu_ms_per_msg": PER_MESSAGE,
+            "verifier_overhead_ms_per_sample_1p": 2.0,
+            "verifier_overhead_ms_per_sample_2p": 2.2,
             **GOAL_FIGURES,
         }
     )
-    assert f"| pipeline, {bench_cloud.WORKERS} verifier processes |" in table
-    assert "| cores busy | 1.50 of 2 | 1.90 of 2 | 1.50 of 2 |" in table
-    assert "| 1.8 | - | - |" in table
+    header = table.splitlines()[0]
+    assert f"| one verifier process | {bench_cloud.WORKERS} verifier processes |" in header
+    assert "| verifier (ms per message) | - | 2.9 | 2.9 | - |" in table
+    assert "| cores busy | 1.50 of 2 | 1.50 of 2 | 1.90 of 2 | 1.50 of 2 |" in table
+    assert "(ms per sample; goal <= 0.5) | - | 2 | 2.2 | - |" in table
+    assert "| 1.8 | - | - | - |" in table
+
+
+def test_the_latency_table_shows_each_load_beside_the_raw_round_trip() -> None:
+    row = {
+        "rate_per_s": 12.5,
+        "samples": 50,
+        "p50_ms": 30.0,
+        "p99_ms": 80.0,
+        "unanswered": 0,
+        "raw_p50_ms": 1.5,
+        "raw_p99_ms": 4.0,
+        "raw_unanswered": 0,
+    }
+    table = bench_cloud._latency_table({"10%": row}, 125.0)
+    assert "| 10% | 12.5 | 30 | 80 | 1.5 | 4 | 0; 0 |" in table
+
+
+def test_envelope_and_verdict_ids_are_read_from_their_payloads() -> None:
+    envelope = bench_cloud._envelopes(1, "bench", "cam-1")[0]
+    sample_id = bench_cloud._envelope_id(envelope)
+    assert sample_id
+    assert bench_cloud._verdict_id(b'{"sample_id": "%s"}' % sample_id.encode()) == sample_id
 
 
 def test_the_decode_figure_is_the_verifiers_decode_of_the_payload_image() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import agent as bench_agent
-from edge_agent.testing import make_tiny_student
+from edge_agent.testing import make_tiny_detector, make_tiny_student
 from tests.edge_agent.conftest import wait_for
 
 
@@ -47,6 +47,9 @@ def test_video_rounds_report_the_agent_against_each_raw_loop(tmp_path: Path, cli
     # Once more with nothing forwarded, and the agent's CPU by thread.
     assert figures["video_unforwarded_fps"] > 0
     assert figures["video_unforwarded_vs_raw_video"] > 0
+    # And forwarding every frame: the agent's CPU per forwarded sample.
+    assert figures["video_forward_all_rate"] == 1.0
+    assert "video_forward_cpu_ms_per_sample" in figures
     assert figures["video_cpu_us_camera-video"] > 0
     assert figures["video_cpu_us_inference-loop"] > 0
     assert all(f"video_cpu_us_{name}" in figures for name, _ in bench_agent.AGENT_THREADS)
@@ -136,3 +139,54 @@ def test_frame_preparation_is_timed_for_each_camera_size() -> None:
     for _size, agent_us, one_resize_us, speed_up, difference in rows:
         assert agent_us > 0 and one_resize_us > 0 and speed_up > 0
         assert difference < 3.5  # grey levels, on average
+
+
+def test_the_stand_in_cloud_answers_a_detectors_samples_with_box_verdicts(tmp_path: Path) -> None:
+    import numpy as np
+
+    from edge_agent.agent import Agent
+    from edge_agent.settings import AgentSettings
+
+    settings = AgentSettings(
+        data_dir=tmp_path,
+        model_path=make_tiny_detector(tmp_path / "detector.onnx"),
+        fleet="bench",
+        agent_id="bench-video",
+        **bench_agent.ROUTING["all"],
+    )
+    cloud = bench_agent._StandInCloud(
+        settings.topics, settings.fleet, settings.agent_id, detection=True
+    )
+    frame = np.zeros((64, 64, 3), np.uint8)
+    with Agent(settings, publisher=cloud, start_sources=False) as agent:
+        ids = [agent.process(frame, source="test").sample_id for _ in range(3)]
+        assert _eventually(
+            lambda: all(agent.sample(i).get("verdict") is not None for i in ids)  # type: ignore[union-attr]
+        )
+        verdicts = [agent.sample(i)["verdict"] for i in ids]  # type: ignore[index]
+    assert all(v["boxes"] == [] for v in verdicts)
+
+
+def test_routing_off_forwards_nothing_for_either_task(tmp_path: Path) -> None:
+    import numpy as np
+
+    from edge_agent.agent import Agent
+    from edge_agent.settings import AgentSettings
+
+    for model in (
+        make_tiny_student(tmp_path / "student.onnx"),
+        make_tiny_detector(tmp_path / "detector.onnx"),
+    ):
+        settings = AgentSettings(
+            data_dir=tmp_path / model.stem,
+            model_path=model,
+            fleet="bench",
+            agent_id="bench-video",
+            **bench_agent.ROUTING["off"],
+        )
+        cloud = bench_agent._StandInCloud(settings.topics, settings.fleet, settings.agent_id)
+        frame = np.zeros((64, 64, 3), np.uint8)
+        with Agent(settings, publisher=cloud, start_sources=False) as agent:
+            results = [agent.process(frame, source="test") for _ in range(20)]
+        assert not any(r.forwarded for r in results)
+        assert cloud.answers.samples == 0

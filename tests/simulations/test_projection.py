@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
 from simulations.cli_sim import sim_app
-from simulations.projection import ProjectionInputs, measure_row_bytes, project, status_bytes
+from simulations.projection import (
+    HostShape,
+    ProjectionInputs,
+    host_capacity,
+    measure_row_bytes,
+    project,
+    status_bytes,
+)
 
 INPUTS = ProjectionInputs(
     camera_fps=10.0,
@@ -63,7 +71,28 @@ def test_row_bytes_on_the_real_schema(database_url: str) -> None:
         assert rows["verdict_row_bytes"] > 50
 
 
-def test_project_command_prints_json(tmp_path: Path) -> None:
+CLOUD_COSTS = {
+    "verifier_overhead_ms_per_sample_1p": 2.4,
+    "decode_cpu_ms_per_sample": 0.1,
+    "teacher_cpu_ms_per_sample": 7.5,
+}
+
+
+def test_host_capacity_is_what_its_cores_feed_or_its_teacher_infers() -> None:
+    cpu_host, how = host_capacity(HostShape(16), CLOUD_COSTS)
+    assert cpu_host == pytest.approx(16_000 / 10.0)  # every cost on the CPU
+    assert "teacher on the CPU" in how
+    fed, _ = host_capacity(HostShape(16, teacher_per_s=50_000), CLOUD_COSTS)
+    assert fed == pytest.approx(16_000 / 2.5)  # the cores starve the accelerator
+    bound, _ = host_capacity(HostShape(16, teacher_per_s=3_000), CLOUD_COSTS)
+    assert bound == 3_000  # the accelerator is the limit
+    lean = {**CLOUD_COSTS, "verifier_overhead_ms_per_sample_1p": 0.4}
+    assert host_capacity(HostShape(16, 50_000), lean)[0] == pytest.approx(32_000)
+    with pytest.raises(KeyError, match="make bench"):
+        host_capacity(HostShape(16), {"decode_cpu_ms_per_sample": 0.1})
+
+
+def _bench_file(tmp_path: Path, cloud: dict[str, float] | None = None) -> Path:
     bench = tmp_path / "bench.json"
     bench.write_text(
         json.dumps(
@@ -84,6 +113,7 @@ def test_project_command_prints_json(tmp_path: Path) -> None:
                             "e2e_samples_per_s": 400.0,
                             "capture_to_verdict_p50_ms": 30.0,
                             "capture_to_verdict_p99_ms": 110.0,
+                            **(cloud or {}),
                         }
                     },
                     "envelope": {
@@ -93,7 +123,11 @@ def test_project_command_prints_json(tmp_path: Path) -> None:
             }
         )
     )
-    result = CliRunner().invoke(
+    return bench
+
+
+def _project(tmp_path: Path, bench: Path, *extra: str) -> Any:
+    return CliRunner().invoke(
         sim_app,
         [
             "project",
@@ -108,8 +142,13 @@ def test_project_command_prints_json(tmp_path: Path) -> None:
             f"sqlite:///{tmp_path / 'rows.db'}",
             "--rows",
             "200",
+            *extra,
         ],
     )
+
+
+def test_project_command_prints_json(tmp_path: Path) -> None:
+    result = _project(tmp_path, _bench_file(tmp_path))
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     row = report["projection"][0]
@@ -117,3 +156,24 @@ def test_project_command_prints_json(tmp_path: Path) -> None:
     assert row["verifier_hosts"] == 18  # 5,000 / (400 x 0.7)
     assert report["inputs"]["image_bytes"] == 2501
     assert "run T1" in report["sources"]["image_bytes"]
+
+
+def test_project_for_a_stated_host_shape(tmp_path: Path) -> None:
+    bench = _bench_file(tmp_path, CLOUD_COSTS)
+    args = ("--host-cores", "16", "--host-teacher-per-s", "50000")
+    result = _project(tmp_path, bench, *args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["inputs"]["verifier_per_s"] == pytest.approx(6_400)
+    assert report["projection"][0]["verifier_hosts"] == 2  # 5,000 / (6,400 x 0.7)
+    assert "2.4 ms verifier" in report["sources"]["verifier_per_s"]
+    assert "16 cores" in report["verifier_note"]
+
+
+def test_project_refuses_a_host_shape_without_the_verifier_figures(tmp_path: Path) -> None:
+    result = _project(tmp_path, _bench_file(tmp_path), "--host-cores", "16")
+    assert result.exit_code != 0
+    assert "make bench" in result.output
+    alone = _project(tmp_path, _bench_file(tmp_path), "--host-teacher-per-s", "100")
+    assert alone.exit_code != 0
+    assert "--host-cores" in alone.output
