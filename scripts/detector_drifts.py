@@ -1,6 +1,6 @@
 """mAP@0.5 of the reference detector pair on the test scenes, clean and under each drift.
 
-    .venv/bin/python scripts/detector_drifts.py [--out FILE] [--seed 12]
+    .venv/bin/python scripts/detector_drifts.py [--out FILE] [--seed 12] [--threads 2]
 
 Trains the pair on first use (``distill.detector_cache``, cached afterwards), scores the
 FP32 teacher and the INT8 student on the scenario's test split at severities 0.5 and 1.0
@@ -30,13 +30,16 @@ def main() -> None:
         "--out", type=Path, default=ROOT / "bench/results/simulations/detector-drifts.json"
     )
     parser.add_argument("--seed", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads")
     args = parser.parse_args()
     refs = bootstrap_reference_detectors(None, progress=True)
     test = render_scenes("test", DetectorReferenceConfig.reference().scenario)
     specs = ["", *(f"{name}:{severity}" for name in DRIFT_NAMES for severity in (0.5, 1.0))]
     out: dict[str, dict[str, float]] = {}
     for role, path in (("teacher", refs.teacher_onnx), ("student_int8", refs.student_int8_onnx)):
-        scored = evaluate_under_drift(OnnxDetector(path, threads=2), test, specs, seed=args.seed)
+        scored = evaluate_under_drift(
+            OnnxDetector(path, threads=args.threads), test, specs, seed=args.seed
+        )
         out[role] = {spec or "clean": round(m.map50, 4) for spec, m in scored.items()}
     teacher, student = out["teacher"], out["student_int8"]
     for spec in teacher:
