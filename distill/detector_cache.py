@@ -88,7 +88,9 @@ class DetectorReferenceConfig:
         if not quick:
             return cls(
                 scenario=SceneConfig(),
-                teacher=DetTrainConfig(role="teacher", epochs=20, crop=160, drift_views=2),
+                teacher=DetTrainConfig(
+                    role="teacher", epochs=30, crop=160, drift_views=2, p_clean=0.5
+                ),
                 student=DetTrainConfig(role="student", epochs=40, crop=160),
                 pseudo_frames=500,
             )

@@ -156,8 +156,8 @@ class AgentSettings(EdgeLoopSettings):
     # Detection (docs/architecture.md, "The task contract"): mean box score, share of
     # low-confidence boxes, candidates near the score threshold, box count range, and
     # the audit share of empty frames. The defaults forward about a sixth of the
-    # reference detector's clean frames, the fleet then scoring within 2 points of the
-    # teacher alone (bench/results/simulations/loop-detection.json).
+    # reference detector's clean frames (bench/results/simulations/loop-detection.json:
+    # forward_rate_clean).
     route_mean_score_below: float | None = Field(default=0.45, ge=0, le=1.01)
     route_low_share_above: float | None = Field(default=0.7, ge=0, le=1)
     route_near_threshold_at_least: int | None = Field(default=None, ge=1)
