@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import multiprocessing
 import os
@@ -171,8 +172,9 @@ def _models(workdir: Path) -> list[tuple[str, Path]]:
     return models
 
 
+@functools.lru_cache(maxsize=16)
 def _model_info(model: Path) -> tuple[str, int]:
-    """A student's task and input side, from its ONNX file."""
+    """A student's task and input side, from its ONNX file (read once per file)."""
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])

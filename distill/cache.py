@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -46,6 +46,7 @@ __all__ = [
     "ReferenceModels",
     "bootstrap_reference_models",
     "cache_key",
+    "cached_reference_file",
     "default_cache_dir",
     "entry_complete",
     "reference_model_path",
@@ -423,21 +424,41 @@ _ALIASES = {
 }
 
 
+def cached_reference_file(
+    alias: str,
+    files: dict[str, tuple[str, str]],
+    cfg: Any,
+    entry_dir: Callable[[Path, str, str], Path],
+    cache_dir: Path | None,
+    *,
+    what: str,
+    hint: str,
+) -> Path:
+    """The cached file ``files[alias]`` (role, file name) of a reference pair ``cfg``
+    (its ``teacher_key``/``student_key``), without building it; ModelError naming
+    ``what`` and ``hint`` (how to build it) when it is unknown or not there."""
+    if alias not in files:
+        raise ModelError(f"unknown reference {what} {alias!r}; known: {', '.join(files)}")
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    role, filename = files[alias]
+    key = cfg.teacher_key() if role == "teacher" else cfg.student_key()
+    path = entry_dir(cache_dir, role, key) / filename
+    if not path.is_file():
+        raise ModelError(f"reference {what} {alias} is not in {cache_dir}; {hint}")
+    return path
+
+
 def reference_model_path(alias: str, cache_dir: Path | None = None, *, quick: bool = False) -> Path:
     """The cached file for ``teacher``, ``student``, ``student-int8`` (or ``*.pt``), untrained.
 
     Raises ModelError if the reference pair has not been bootstrapped into ``cache_dir``.
     """
-    if alias not in _ALIASES:
-        raise ModelError(f"unknown reference model {alias!r}; known: {', '.join(_ALIASES)}")
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    cfg = ReferenceConfig.reference(quick=quick)
-    role, filename = _ALIASES[alias]
-    key = cfg.teacher_key() if role == "teacher" else cfg.student_key()
-    path = _entry_dir(cache_dir, role, key) / filename
-    if not path.is_file():
-        raise ModelError(
-            f"reference {alias} is not in {cache_dir}; run `edgeloop models bootstrap"
-            f"{' --quick' if quick else ''}` first"
-        )
-    return path
+    return cached_reference_file(
+        alias,
+        _ALIASES,
+        ReferenceConfig.reference(quick=quick),
+        _entry_dir,
+        cache_dir,
+        what="model",
+        hint=f"run `edgeloop models bootstrap{' --quick' if quick else ''}` first",
+    )

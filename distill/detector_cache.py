@@ -33,7 +33,7 @@ from typing import Any
 from rich.console import Console
 
 from distill._io import atomic_write_json, build_entry, cache_lock
-from distill.cache import cache_key, default_cache_dir, entry_complete
+from distill.cache import cache_key, cached_reference_file, default_cache_dir, entry_complete
 from distill.detector_eval import OnnxDetector, evaluate_detector
 from distill.detector_export import export_detector, quantize_detector
 from distill.detector_train import (
@@ -354,21 +354,16 @@ def reference_detector_path(
 
     Raises ModelError if the pair has not been built into ``cache_dir``.
     """
-    if alias not in _DETECTOR_FILES:
-        raise ModelError(
-            f"unknown reference detector {alias!r}; known: {', '.join(_DETECTOR_FILES)}"
-        )
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    cfg = DetectorReferenceConfig.reference(quick=quick)
-    role, filename = _DETECTOR_FILES[alias]
-    key = cfg.teacher_key() if role == "teacher" else cfg.student_key()
-    path = _entry_dir(cache_dir, role, key) / filename
-    if not path.is_file():
-        raise ModelError(
-            f"reference detector {alias} is not in {cache_dir}; `edgeloop loop --task"
-            " detection` and `python -m bench.run --only detectors` build the pair"
-        )
-    return path
+    return cached_reference_file(
+        alias,
+        _DETECTOR_FILES,
+        DetectorReferenceConfig.reference(quick=quick),
+        _entry_dir,
+        cache_dir,
+        what="detector",
+        hint="`edgeloop loop --task detection` and `python -m bench.run --only detectors`"
+        " build the pair",
+    )
 
 
 def bootstrap_reference_detectors(
