@@ -162,7 +162,7 @@ def test_schedules_are_created_for_a_fleet_switched_and_deleted(browser: Any, si
     _by_id(driver, "schedule-expression").send_keys("0 3 * * *")
     form.find_element(By.NAME, "epochs").send_keys("4")
     _by_id(driver, "create-schedule").click()
-    wait_for(lambda: "created" in driver.page_source, what="the notice")
+    wait_for(lambda: "schedule nightly-b created" in driver.page_source, what="the notice")
     with site.state.sessions() as session:
         schedule = session.query(Schedule).filter_by(name="nightly-b").one()
         assert schedule.params == {"epochs": 4, "fleet": "fleet-b"} and schedule.enabled
@@ -170,19 +170,27 @@ def test_schedules_are_created_for_a_fleet_switched_and_deleted(browser: Any, si
     def row() -> Any:
         return driver.find_element(By.CSS_SELECTOR, f'tr[data-schedule="{schedule.id}"]')
 
-    assert "fleet-b" in row().text and row().find_element(By.CLASS_NAME, "enabled").text == "yes"
+    def shown_enabled() -> str:
+        # The toggle reloads the page: until the new page is in, the row may be
+        # the old one, gone stale, or not there yet. Read it again until it settles.
+        from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+
+        try:
+            return str(row().find_element(By.CLASS_NAME, "enabled").text)
+        except (NoSuchElementException, StaleElementReferenceException):
+            return ""
+
+    assert "fleet-b" in row().text and shown_enabled() == "yes"
     row().find_element(By.CLASS_NAME, "toggle-schedule").click()
-    wait_for(lambda: "disabled" in driver.page_source, what="disabled")
-    assert row().find_element(By.CLASS_NAME, "enabled").text == "no"
+    wait_for(lambda: shown_enabled() == "no", what="the row shown disabled")
     row().find_element(By.CLASS_NAME, "toggle-schedule").click()
-    wait_for(lambda: "enabled" in driver.current_url or "enabled" in driver.page_source)
-    assert row().find_element(By.CLASS_NAME, "enabled").text == "yes"
+    wait_for(lambda: shown_enabled() == "yes", what="the row shown enabled")
     row().find_element(By.CLASS_NAME, "delete-schedule").click()
     driver.switch_to.alert.dismiss()  # asked first; "no" keeps it
     assert row().find_element(By.CLASS_NAME, "enabled").text == "yes"
     row().find_element(By.CLASS_NAME, "delete-schedule").click()
     driver.switch_to.alert.accept()
-    wait_for(lambda: "deleted" in driver.page_source, what="deleted")
+    wait_for(lambda: "schedule nightly-b deleted" in driver.page_source, what="deleted")
     assert not driver.find_elements(By.CSS_SELECTOR, f'tr[data-schedule="{schedule.id}"]')
     with site.state.sessions() as session:
         assert session.get(Schedule, schedule.id) is None
