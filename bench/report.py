@@ -40,7 +40,8 @@ _CPU_FLAGS = {
 
 _METHOD = """\
 Every figure comes from one run of `make bench` (`python -m bench.run`) on the host
-above; none is carried over from another run. A goal's figure is a ratio of two
+above, except a section that run left out (`--only`): it keeps the figures of the
+last full-size run on the same CPU, and says so. A goal's figure is a ratio of two
 things measured side by side in that run, taking turns round by round, so a
 neighbour's load slows both sides alike; the raw baselines use the same decode,
 session and thread settings as the product. The host is a shared VM whose CPU model
@@ -103,7 +104,9 @@ def _host(bench: dict[str, Any]) -> list[str]:
         isa = "not recorded (the models section did not run)"
     providers = ", ".join(machine.get("ort_providers", [])) or "-"
     sections = ", ".join(
-        f"{name} ({section.get('seconds', '-')} s)" for name, section in bench["sections"].items()
+        f"{name} ({section.get('seconds', '-')} s"
+        + (f", from the run of {section['carried_from']})" if section.get("carried_from") else ")")
+        for name, section in bench["sections"].items()
     )
     rows = [
         ("started", bench["started_at"]),
@@ -131,6 +134,12 @@ def _bench_sections(bench: dict[str, Any]) -> list[str]:
     for name, section in bench["sections"].items():
         title, method = _module_doc(f"bench.{name}")
         lines += [f"### {name}", "", title, ""]
+        if section.get("carried_from"):
+            lines += [
+                f"Not run this time (`--only`): these figures are from the run of"
+                f" {section['carried_from']} on the same CPU.",
+                "",
+            ]
         if method:
             lines += [method, ""]
         for table in section.get("tables", []):

@@ -2,6 +2,9 @@
 
     python -m bench.run [--quick] [--only models,envelope]
 
+``--only`` runs some sections and keeps the others in latest.* from the last
+full-size run on the same CPU, each marked with the run it comes from.
+
 Each section is a module in ``bench/`` with ``run(quick: bool) -> dict`` returning
 ``{"figures": {...}, "tables": ["markdown", ...]}``. Figures are ratios measured
 side by side in one run, with medians of repeated runs.
@@ -220,6 +223,25 @@ def record_history(path: Path, report: dict[str, Any]) -> list[dict[str, Any]]:
     return history
 
 
+def _carried_sections(wanted: list[str], report: dict[str, Any]) -> dict[str, Any]:
+    """The sections of the last full-size run on this CPU that this run leaves out, each
+    marked with the run it comes from: ``--only`` refreshes some sections of latest.*
+    and keeps the rest (nothing when the last run was quick or on another CPU)."""
+    latest = RESULTS / "latest.json"
+    if not latest.exists():
+        return {}
+    previous = json.loads(latest.read_text())
+    if previous.get("quick") or previous.get("machine", {}).get("cpu") != report["machine"].get(
+        "cpu"
+    ):
+        return {}
+    return {
+        name: {**section, "carried_from": section.get("carried_from") or previous["started_at"]}
+        for name, section in previous.get("sections", {}).items()
+        if name in SECTIONS and name not in wanted
+    }
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """The markdown twin of a results JSON: the machine, the goals table, each section's tables."""
     machine = ", ".join(f"{k}={v}" for k, v in report["machine"].items())
@@ -227,6 +249,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += ["## Goals", "", *goals_table(report.get("goals", [])), ""]
     for name, section in report["sections"].items():
         lines += ["", f"## {name}", ""]
+        if section.get("carried_from"):
+            lines += [f"Not run this time: from the run of {section['carried_from']}.", ""]
         for table in section.get("tables", []):
             lines += [table, ""]
     return "\n".join(lines) + "\n"
@@ -260,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "sections": {},
     }
+    carried = _carried_sections(wanted, report) if args.only and not args.quick else {}
     for name in wanted:
         print(f"== {name}", flush=True)
         start = time.perf_counter()
@@ -270,11 +295,19 @@ def main(argv: list[str] | None = None) -> int:
         for table in section.get("tables", []):
             print(table, flush=True)
 
+    # The history holds what this run measured; the report, with carried sections, all.
     report["goals"] = goal_summary(report["sections"])
     RESULTS.mkdir(parents=True, exist_ok=True)
     history: list[dict[str, Any]] = []
     if not args.quick:  # quick runs use small models: their figures are not the goals'
         history = record_history(RESULTS / HISTORY, report)
+    if carried:
+        report["sections"] = {
+            name: report["sections"].get(name) or carried[name]
+            for name in SECTIONS
+            if name in report["sections"] or name in carried
+        }
+        report["goals"] = goal_summary(report["sections"])
     report["goals"] = with_ranges(report["goals"], history, report["machine"].get("cpu", ""))
     print("\n".join(goals_table(report["goals"])), flush=True)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")

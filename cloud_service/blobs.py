@@ -41,7 +41,7 @@ _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 
 
 
 class LocalBlobStore:
-    """Blobs as files under ``root``, written atomically (temp file, fsync, rename)."""
+    """Blobs as files under ``root``; a blob is never seen half-written (see ``_write``)."""
 
     def __init__(self, root: Path, *, fsync: bool = True) -> None:
         self.root = Path(root)
@@ -52,35 +52,64 @@ class LocalBlobStore:
         return self.root / check_blob_key(key)
 
     def put(self, key: str, data: bytes) -> None:
-        self._write(key, data, fsync=self.fsync)
+        path = str(self._path(key))
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._replace(path, data, fsync=self.fsync)
+        except OSError as exc:
+            raise StoreError(f"cannot write blob {key}: {exc.strerror or exc}") from exc
 
     def _write(self, key: str, data: bytes, *, fsync: bool) -> None:
-        """Write ``data`` to a temporary file beside the blob, then rename it over the blob."""
+        """Write ``data`` as the blob ``key``, for ``put_many``.
+
+        A new blob is written in place: ``put_many``'s callers (ingest) point no row
+        at it until the batch commits, after the write is durable, so nothing reads
+        it half-written. A blob that exists already (a redelivered sample's, or what
+        a crash left of one) is replaced atomically, as ``put`` writes every blob: a
+        temporary file beside it, renamed over it.
+        """
         path = str(self._path(key))
-        folder, name = os.path.split(path)
         try:
-            tmp = os.path.join(folder, f".{name}.{os.urandom(6).hex()}.tmp")
             try:
-                fd = os.open(tmp, _CREATE_FLAGS, 0o600)
+                fd = os.open(path, _CREATE_FLAGS, 0o600)
             except FileNotFoundError:  # the folder's first blob (or it was removed)
-                os.makedirs(folder, exist_ok=True)
-                fd = os.open(tmp, _CREATE_FLAGS, 0o600)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = os.open(path, _CREATE_FLAGS, 0o600)
+            except FileExistsError:
+                self._replace(path, data, fsync=fsync)
+                return
             try:
-                try:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view) :]
-                    if fsync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.replace(tmp, path)
+                self._fill(fd, data, fsync=fsync)
             except BaseException:
                 with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+                    os.unlink(path)
                 raise
         except OSError as exc:
             raise StoreError(f"cannot write blob {key}: {exc.strerror or exc}") from exc
+
+    def _replace(self, path: str, data: bytes, *, fsync: bool) -> None:
+        folder, name = os.path.split(path)
+        tmp = os.path.join(folder, f".{name}.{os.urandom(6).hex()}.tmp")
+        fd = os.open(tmp, _CREATE_FLAGS, 0o600)
+        try:
+            self._fill(fd, data, fsync=fsync)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    @staticmethod
+    def _fill(fd: int, data: bytes, *, fsync: bool) -> None:
+        """Write all of ``data`` to ``fd`` (fsync'd if asked), then close it."""
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
         if not self.fsync or len(items) <= 1 or _syncfs is None:

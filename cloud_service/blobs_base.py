@@ -25,7 +25,11 @@ class BlobStore(Protocol):
     def put(self, key: str, data: bytes) -> None: ...
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
-        """Store several blobs; durable when it returns (one flush for all where possible)."""
+        """Store several blobs; durable when it returns (one flush for all where possible).
+
+        For ingest: until it returns, a new key may be seen half-written (a local
+        store writes new files in place), so point nothing at these keys before then.
+        """
         ...
 
     def get(self, key: str) -> bytes: ...

@@ -66,7 +66,10 @@ class VerifierWorker:
             url = settings.resolved_database_url
             if migrate:
                 upgrade_database(url)
-            self._engine: Engine | None = make_engine(url)
+            # No ping before each checkout (a round trip per transaction, on the hot
+            # path): every write retries (ingest.with_retries), and the first error
+            # from a dead connection invalidates the pool, so the retry reconnects.
+            self._engine: Engine | None = make_engine(url, pool_pre_ping=False)
             session_factory = make_session_factory(self._engine)
         else:
             self._engine = None

@@ -78,3 +78,55 @@ def test_ranges_span_the_full_runs_on_the_same_cpu(tmp_path: Path) -> None:
     lines = goals_table(list(goals.values()))
     assert lines[0] == "| goal | last run | range over runs | target | status |"
     assert any("| 2.0 | 2 - 2.4 (2 runs) | <= 0.5 | not met |" in line for line in lines)
+
+
+def test_only_refreshes_its_sections_and_keeps_the_rest_marked(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    import json
+
+    import bench.run as bench_run
+
+    monkeypatch.setattr(bench_run, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench_run, "machine_info", lambda: {"cpu": "AMD EPYC"})
+    previous = {
+        "started_at": "2026-12-01T10:00:00+00:00",
+        "machine": {"cpu": "AMD EPYC"},
+        "quick": False,
+        "sections": {
+            **_sections(2.0, 0.8),
+            "envelope": {"figures": {"x": 1}, "tables": ["| old |"]},
+        },
+    }
+    (tmp_path / "latest.json").write_text(json.dumps(previous))
+
+    class Fresh:
+        @staticmethod
+        def run(quick: bool = False) -> dict[str, Any]:
+            return _sections(0.4, 0.95)["cloud"]
+
+    monkeypatch.setattr(bench_run.importlib, "import_module", lambda name: Fresh)
+    assert bench_run.main(["--only", "cloud"]) == 0
+
+    latest = json.loads((tmp_path / "latest.json").read_text())
+    assert latest["sections"]["cloud"]["figures"]["verifier_overhead_ms_per_sample_1p"] == 0.4
+    assert "carried_from" not in latest["sections"]["cloud"]
+    kept = latest["sections"]["envelope"]
+    assert kept["carried_from"] == "2026-12-01T10:00:00+00:00" and kept["figures"] == {"x": 1}
+    goals = _by_name(latest["goals"])
+    assert (
+        goals["verifier CPU ms per sample beyond the teacher and the decode, one process"][
+            "measured"
+        ]
+        == 0.4
+    )
+    # The agent's goals come from the kept section; the history holds only what ran.
+    assert (
+        goals["agent HTTP / raw ORT, same JPEG decode (tiny-student 224px, 224px)"]["measured"]
+        == 0.8
+    )
+    history = json.loads((tmp_path / "goal-history.json").read_text())
+    assert history[-1]["sections"] == ["cloud"]
+    assert not any(name.startswith("agent ") for name in history[-1]["goals"])
+    markdown = (tmp_path / "latest.md").read_text()
+    assert "Not run this time: from the run of 2026-12-01T10:00:00+00:00." in markdown

@@ -173,7 +173,10 @@ def test_schedules_are_created_for_a_fleet_switched_and_deleted(browser: Any, si
     def shown_enabled() -> str:
         # The toggle reloads the page: until the new page is in, the row may be
         # the old one, gone stale, or not there yet. Read it again until it settles.
-        from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+        from selenium.common.exceptions import (
+            NoSuchElementException,
+            StaleElementReferenceException,
+        )
 
         try:
             return str(row().find_element(By.CLASS_NAME, "enabled").text)

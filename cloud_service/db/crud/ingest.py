@@ -7,6 +7,7 @@ a batch and tells which rows were new.
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from collections.abc import Iterable, Sequence
@@ -51,48 +52,77 @@ def _chunks(rows: Sequence[dict[str, Any]], size: int = 500) -> Iterable[Sequenc
         yield rows[start : start + size]
 
 
-def _insert_ignore_unnest(
-    session: Session, model: type[Base], key: str, rows: Sequence[dict[str, Any]]
-) -> set[str]:
-    """PostgreSQL: ``INSERT ... SELECT unnest(array), ... ON CONFLICT DO NOTHING RETURNING``.
-
-    One statement of one array parameter per column, whatever the number of rows: its
-    text never changes (psycopg parses it once, not once per batch as it must a
-    multi-row VALUES list), and psycopg adapts each column's values as one array.
-    """
-    table = model.__table__
-    dialect = session.get_bind().dialect
-    columns: list[Any] = []
-    defaults: dict[str, Any] = {}
-    for column in table.columns:
-        if column.name in rows[0]:
-            columns.append(column)
-        elif column.default is not None and not column.primary_key:
-            # A Python-side default the ORM would have applied (received_at, status, ...):
-            # computed once for the batch.
-            default = column.default
-            defaults[column.name] = default.arg(None) if default.is_callable else default.arg
-            columns.append(column)
+@functools.lru_cache(maxsize=64)
+def _unnest_insert_sql(
+    table: Any, dialect: Any, names: tuple[str, ...]
+) -> tuple[str, tuple[tuple[str, bool], ...], tuple[tuple[str, Any], ...]]:
+    """``INSERT INTO t (...) SELECT unnest(...), ...`` for rows holding ``names``: the SQL,
+    each column's (name, whether JSON), and the Python-side defaults of the columns the
+    rows leave out (computed per batch). Built once per table and set of names."""
+    columns: list[tuple[str, bool]] = []
+    defaults: list[tuple[str, Any]] = []
     selects: list[str] = []
-    params: dict[str, list[Any]] = {}
-    for column in columns:
-        if column.name in defaults:
-            values = [defaults[column.name]] * len(rows)
-        else:
-            values = [row[column.name] for row in rows]
+    for column in table.columns:
+        if column.name not in names:
+            if column.default is None or column.primary_key:
+                continue
+            # A Python-side default the ORM would have applied (received_at, status, ...).
+            defaults.append((column.name, column.default))
         kind = column.type.compile(dialect=dialect)
-        if kind in ("JSON", "JSONB"):
-            values = [None if v is None else json.dumps(v) for v in values]
+        json_ = kind in ("JSON", "JSONB")
+        if json_:
             selects.append(f"CAST(unnest(CAST(:{column.name} AS TEXT[])) AS {kind})")
         else:
             selects.append(f"unnest(CAST(:{column.name} AS {kind}[]))")
-        params[column.name] = values
-    names = ", ".join(c.name for c in columns)
-    statement = text(
-        f"INSERT INTO {model.__tablename__} ({names}) SELECT {', '.join(selects)}"
-        f" ON CONFLICT ({key}) DO NOTHING RETURNING {key}"
+        columns.append((column.name, json_))
+    sql = (
+        f"INSERT INTO {table.name} ({', '.join(name for name, _ in columns)})"
+        f" SELECT {', '.join(selects)}"
     )
+    return sql, tuple(columns), tuple(defaults)
+
+
+def _unnest_insert(
+    session: Session, model: type[Base], rows: Sequence[dict[str, Any]]
+) -> tuple[str, dict[str, list[Any]]]:
+    """PostgreSQL: ``INSERT ... SELECT unnest(array), ...`` of ``rows`` and its parameters.
+
+    One array parameter per column, whatever the number of rows: the statement's
+    text never changes (psycopg prepares it once, not once per batch as it must a
+    multi-row VALUES list), and psycopg adapts each column's values as one array.
+    """
+    sql, columns, defaults = _unnest_insert_sql(
+        model.__table__, session.get_bind().dialect, tuple(sorted(rows[0]))
+    )
+    fixed = {
+        name: default.arg(None) if default.is_callable else default.arg
+        for name, default in defaults
+    }
+    params: dict[str, list[Any]] = {}
+    for name, json_ in columns:
+        if name in fixed:
+            params[name] = [fixed[name]] * len(rows)
+        elif json_:
+            params[name] = [None if (v := row[name]) is None else json.dumps(v) for row in rows]
+        else:
+            params[name] = [row[name] for row in rows]
+    return sql, params
+
+
+def _insert_ignore_unnest(
+    session: Session, model: type[Base], key: str, rows: Sequence[dict[str, Any]]
+) -> set[str]:
+    """PostgreSQL: ``rows`` inserted by ``_unnest_insert``, skipping ``key``s already
+    stored (ON CONFLICT DO NOTHING); the keys that were new."""
+    sql, params = _unnest_insert(session, model, rows)
+    statement = _text(f"{sql} ON CONFLICT ({key}) DO NOTHING RETURNING {key}")
     return set(session.scalars(statement, params).all())
+
+
+@functools.lru_cache(maxsize=64)
+def _text(sql: str) -> Any:
+    """A TextClause per SQL string, made once (parsing its bind names costs per call)."""
+    return text(sql)
 
 
 def insert_samples(*, session: Session, rows: Sequence[dict[str, Any]]) -> set[str]:
@@ -245,13 +275,23 @@ def pending_samples(
 
 def insert_verdicts(*, session: Session, rows: Sequence[dict[str, Any]]) -> set[str]:
     """Store verdicts (one per sample at most) and move their samples on; return new ids."""
-    new: set[str] = set()
     if rows and session.get_bind().dialect.name == "postgresql":
-        new = _insert_ignore_unnest(session, Verdict, "sample_id", rows)
-    else:
-        for chunk in _chunks(rows):
-            stmt = _insert_ignore(session, Verdict, "sample_id").returning(Verdict.sample_id)
-            new.update(session.scalars(stmt, list(chunk)).all())
+        # One statement, one round trip: the insert, and the update of the samples that
+        # got a new verdict, as data-modifying CTEs.
+        sql, params = _unnest_insert(session, Verdict, rows)
+        statement = _text(
+            f"WITH new AS ({sql} ON CONFLICT (sample_id) DO NOTHING"
+            " RETURNING sample_id, review, verified_at),"
+            " moved AS (UPDATE samples SET verified_at = new.verified_at, status ="
+            " CASE WHEN new.review THEN 'flagged' ELSE 'verified' END FROM new"
+            " WHERE samples.sample_id = new.sample_id AND samples.status = 'pending')"
+            " SELECT sample_id FROM new"
+        )
+        return set(session.scalars(statement, params).all())
+    new: set[str] = set()
+    for chunk in _chunks(rows):
+        stmt = _insert_ignore(session, Verdict, "sample_id").returning(Verdict.sample_id)
+        new.update(session.scalars(stmt, list(chunk)).all())
     by_status: dict[tuple[str, datetime], list[str]] = {}
     for row in rows:
         if row["sample_id"] in new:
