@@ -141,7 +141,20 @@ class IngestStage:
                 continue
             if staged is None:
                 break
+            # Every batch staged by now goes into this one store: one blob flush and one
+            # commit for all of them. Their cost is the disk's flush latency more than
+            # the CPU, so under load the batches grow instead of queueing behind it.
             messages, pending = staged
+            last = False
+            while not last:
+                try:
+                    more = self._staged.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    last = True
+                else:
+                    messages, pending = messages + more[0], pending + more[1]
             try:
                 outcomes = [outcome for future in pending for outcome in future.result()]
                 with_retries(
@@ -152,6 +165,8 @@ class IngestStage:
             finally:
                 self.transport.budget.release(len(messages), sum(m.held for m in messages))
             self._flush_receipts()
+            if last:
+                break
         self._flush_receipts(everything=True)
 
     def _classify(self, messages: list[Inbound]) -> list[Future[list[Classified]]]:
