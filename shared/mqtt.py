@@ -213,69 +213,10 @@ def redact_url(url: str) -> str:
 
 
 def _set_nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
-    # paho may wrap the socket for TLS/websockets; ReadBufferedSocket delegates setsockopt
-    raw = getattr(sock, "_socket", sock)
+    raw = getattr(sock, "_socket", sock)  # paho may wrap the socket for TLS/websockets
     # Not a TCP socket (unix socket, test double): nothing to tune.
     with contextlib.suppress(OSError, AttributeError):
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-class ReadBufferedSocket:
-    """A connected socket whose reads come from a buffer filled 64 KiB at a time.
-
-    paho reads each packet with one ``recv(1)`` for its type, one per length byte and
-    one for the rest: four to six system calls a packet, each with Python around it.
-    Behind this wrapper one ``recv`` fills the buffer and the packets are cut from it.
-    ``pending()`` counts the bytes buffered (and, under TLS, those the SSL layer
-    holds), which both paho's own loop and ``MqttConnection``'s select loop check
-    before they wait on the socket: a buffered packet is never left unread.
-    """
-
-    READ_SIZE = 65536
-
-    def __init__(self, sock: Any) -> None:
-        self._sock = sock
-        self._buffer = b""
-        self._at = 0
-
-    def recv(self, size: int) -> bytes:
-        buffer, at = self._buffer, self._at
-        if at >= len(buffer):
-            buffer = self._sock.recv(max(size, self.READ_SIZE))  # BlockingIOError: none yet
-            if not buffer:
-                return buffer  # the peer closed the connection
-            self._buffer, at = buffer, 0
-        end = min(at + size, len(buffer))
-        self._at = end
-        return buffer if at == 0 and end == len(buffer) else buffer[at:end]
-
-    def pending(self) -> int:
-        inner = getattr(self._sock, "pending", None)
-        return len(self._buffer) - self._at + (inner() if inner is not None else 0)
-
-    def send(self, data: bytes | bytearray | memoryview) -> int:
-        sent: int = self._sock.send(data)
-        return sent
-
-    def fileno(self) -> int:
-        fileno: int = self._sock.fileno()
-        return fileno
-
-    def close(self) -> None:
-        self._buffer, self._at = b"", 0
-        self._sock.close()
-
-    def __getattr__(self, name: str) -> Any:  # setblocking, setsockopt, getpeercert...
-        if name == "_sock":  # not set yet (a copy in the making): no recursion
-            raise AttributeError(name)
-        return getattr(self._sock, name)
-
-
-class _ReadBufferedClient(mqtt.Client):
-    """paho's client over a :class:`ReadBufferedSocket`."""
-
-    def _create_socket(self) -> Any:
-        return ReadBufferedSocket(super()._create_socket())
 
 
 def make_client(
@@ -301,7 +242,7 @@ def make_client(
     }
     if protocol != "5":
         kwargs["clean_session"] = clean_start
-    client = _ReadBufferedClient(CallbackAPIVersion.VERSION2, **kwargs)
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, **kwargs)
     client.on_socket_open = _set_nodelay
     if target.username is not None:
         client.username_pw_set(target.username, target.password)

@@ -12,7 +12,7 @@ import pytest
 
 from shared.broker import EmbeddedBroker
 from shared.errors import TransportError
-from shared.mqtt import MqttTarget, ReadBufferedSocket, make_client, negotiate_protocol
+from shared.mqtt import MqttTarget, make_client, negotiate_protocol
 from shared.topics import Topics
 
 pytestmark = pytest.mark.mqtt
@@ -52,72 +52,6 @@ def test_round_trip_on_the_test_broker(broker: Any, topics: Topics) -> None:
     payload = bytes(range(256)) * 80
     topic = topics.samples("fleet-a", "cam-1")
     assert _round_trip(broker.target, broker.protocol, topic, payload) == payload
-
-
-def test_a_burst_of_packets_arrives_whole_through_the_read_buffer(
-    broker: Any, topics: Topics
-) -> None:
-    """Many QoS 1 messages of mixed sizes, several per socket read: each arrives once,
-    intact, and the subscriber's socket is the read-buffered one."""
-    target = broker.target
-    topic = topics.samples("fleet-a", "cam-burst")
-    payloads = [
-        bytes([i % 251]) * size
-        for i, size in enumerate([0, 1, 127, 128, 16_383, 16_384, 70_000] * 6)
-    ]
-    received: list[bytes] = []
-    done = threading.Event()
-    subscribed = threading.Event()
-    sub = make_client(target, client_id="sub-burst", protocol=broker.protocol)
-
-    def on_message(client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
-        received.append(message.payload)
-        if len(received) == len(payloads):
-            done.set()
-
-    sub.on_message = on_message
-    sub.on_subscribe = lambda *args: subscribed.set()
-    sub.connect(target.host, target.port)
-    sub.loop_start()
-    pub = make_client(target, client_id="pub-burst", protocol=broker.protocol)
-    try:
-        sub.subscribe(topic, qos=1)
-        assert subscribed.wait(5)
-        assert isinstance(sub.socket(), ReadBufferedSocket)
-        pub.connect(target.host, target.port)
-        pub.loop_start()
-        infos = [pub.publish(topic, p, qos=1) for p in payloads]
-        for info in infos:
-            info.wait_for_publish(10)
-        assert done.wait(10), f"{len(received)} of {len(payloads)} delivered"
-    finally:
-        pub.disconnect()
-        pub.loop_stop()
-        sub.disconnect()
-        sub.loop_stop()
-    assert received == payloads
-
-
-def test_the_read_buffer_cuts_reads_from_one_recv_and_says_what_it_holds() -> None:
-    left, right = socket.socketpair()
-    try:
-        wrapped = ReadBufferedSocket(left)
-        right.sendall(b"\x30\x05hello\x40\x02")
-        assert wrapped.recv(1) == b"\x30"  # one system call filled the buffer
-        assert wrapped.pending() == 8
-        assert wrapped.recv(1) == b"\x05"
-        assert wrapped.recv(5) == b"hello"
-        assert wrapped.recv(10) == b"\x40\x02"  # fewer than asked: what there is
-        assert wrapped.pending() == 0
-        left.setblocking(False)
-        with pytest.raises(BlockingIOError):
-            wrapped.recv(1)  # nothing buffered, nothing on the socket
-        right.close()
-        assert wrapped.recv(1) == b""  # the peer closed
-        assert wrapped.fileno() == left.fileno()
-    finally:
-        left.close()
-        right.close()
 
 
 def test_embedded_broker_speaks_311_and_delivers(
