@@ -15,8 +15,10 @@ mAP@0.5. What this loop leaves out, unlike the classification loop
 (``simulations.closed_loop``), is the transport: no broker, database, registry or
 agent processes; frames go from one part to the next in this process.
 
-Frames: the detection scenario's stream split feeds the live phase (the round's
-training data comes from it); every figure in the table is measured on the test split,
+Frames: the detection scenario's stream split feeds the live phase, a new window of
+it each round (the round's training data comes from it, added to what earlier rounds
+kept, as the cloud keeps verified samples; the gate's recent data is a share of the
+round's new frames); every figure in the table is measured on the test split,
 whose source scans the stream never shows, clean and drifted with a fixed seed. The
 gate judges on the validation split (ground truth), so the table's frames never
 choose a model. mAP is pycocotools' (``distill.detector_eval``).
@@ -187,9 +189,10 @@ def run_detection_loop(
     refs = bootstrap_reference_detectors(cache_dir, quick=config.quick, progress=True)
     reference = DetectorReferenceConfig.reference(quick=config.quick)
     sc = reference.scenario
-    stream = render_scenes("stream", sc)
-    if config.live_frames:
-        stream = stream.subset(np.arange(min(config.live_frames, len(stream))))
+    # Each round watches its own window of the stream: frames the fleet has not shown
+    # the cloud before, as a deployed fleet's next days would be.
+    window = config.live_frames or sc.stream_frames
+    stream = render_scenes("stream", replace(sc, stream_frames=window * config.rounds))
     test = render_scenes("test", sc)
     validation = render_scenes("validation", sc)
     replay = render_scenes("train", sc)
@@ -225,16 +228,22 @@ def run_detection_loop(
     )
     rng = np.random.default_rng(config.seed)
     rounds: list[dict[str, Any]] = []
+    # What the cloud has kept from earlier rounds (frames with teacher and human labels):
+    # each round trains on all of it, as a distillation job reads the verified samples.
+    kept_frames: list[np.ndarray] = []
+    kept_teacher: list[FrameBoxes] = []
+    kept_human: list[FrameBoxes | None] = []
     if work_dir is not None:
         work_dir.mkdir(parents=True, exist_ok=True)  # a fresh machine's data dir
     with tempfile.TemporaryDirectory(prefix="edgeloop-detloop-", dir=work_dir) as tmp:
         for k in range(1, config.rounds + 1):
-            edge = _edge_pass(serving_onnx, live.frames, config.seed + k, config.threads)
+            live_k = live.subset(np.arange((k - 1) * window, k * window))
+            edge = _edge_pass(serving_onnx, live_k.frames, config.seed + k, config.threads)
             index = np.flatnonzero(edge.forwarded)[: config.max_samples]
             if len(index) < 10:
                 rounds.append({"round": k, "skipped": f"only {len(index)} frames forwarded"})
                 break
-            t_rows = _teacher_rows(teacher, live.frames[index])
+            t_rows = _teacher_rows(teacher, live_k.frames[index])
             teacher_labels = pseudo_labels(t_rows, sc.frame_size)
             human: list[FrameBoxes | None] = []
             for j, i in enumerate(index):
@@ -243,13 +252,22 @@ def run_detection_loop(
                     DETECTION.answers(t_rows[j][None])[0],
                 ).agrees
                 if differs and rng.random() < config.human_share:
-                    human.append(FrameBoxes.of(live.boxes[i], live.classes[i]))
+                    human.append(FrameBoxes.of(live_k.boxes[i], live_k.classes[i]))
                 else:
                     human.append(None)
+            # The gate's recent data: a share of this round's frames, which no serving
+            # model has trained on; the rest, and every kept frame, train.
+            earlier = sum(len(f) for f in kept_frames)
+            order = np.random.default_rng(config.seed + k).permutation(len(index))
+            recent = earlier + np.sort(order[: max(1, round(0.2 * len(index)))])
+            kept_frames.append(live_k.frames[index])
+            kept_teacher += teacher_labels
+            kept_human += human
             result = distil_detector(
-                frames=live.frames[index],
-                teacher=teacher_labels,
-                human=human,
+                frames=np.concatenate(kept_frames),
+                teacher=kept_teacher,
+                human=kept_human,
+                holdout=recent.tolist(),
                 serving_checkpoint=serving_pt,
                 serving_onnx=serving_onnx,
                 reference=validation,
@@ -265,12 +283,13 @@ def run_detection_loop(
                 {
                     "round": k,
                     "forwarded": int(edge.forwarded.sum()),
-                    "trained_on": len(index),
+                    "new_frames": len(index),
+                    "trained_on": len(kept_teacher) - len(recent),
                     "human_labels": sum(h is not None for h in human),
                     "uplink_bytes": _uplink_bytes(
-                        live.frames[edge.forwarded], edge.rows[edge.forwarded], "student"
+                        live_k.frames[edge.forwarded], edge.rows[edge.forwarded], "student"
                     ),
-                    "live_frames": len(live),
+                    "live_frames": len(live_k),
                     "gate": {"passed": result.decision.passed, **result.decision.checks},
                     "gate_reasons": list(result.decision.reasons),
                     "evaluation_map50": result.evaluation,

@@ -34,6 +34,8 @@ def test_one_round_reports_the_table_the_gate_and_the_goals(
     (first,) = report["rounds"]
     if "skipped" not in first:
         assert first["trained_on"] > 0 and first["uplink_bytes"] > 0
+        # A fifth of the round's new frames is the gate's recent data; the rest train.
+        assert first["trained_on"] == first["new_frames"] - round(0.2 * first["new_frames"])
         assert first["gate"]["metric"] == "map50"
         assert set(first["evaluation_map50"]) == {"new_fp32", "new_int8", "serving"}
         assert len(report["table"]) == 2
