@@ -69,6 +69,10 @@ def _verdict_bytes() -> int:
     return len(encode_message(verdict))
 
 
+# The agent bench's entry for the 64 px reference student, the projection's edge figures.
+REFERENCE_STUDENT = "reference student int8"
+
+
 def merge_bench(paths: Sequence[Path]) -> dict[str, tuple[dict[str, Any], str]]:
     """Each bench section from the first of ``paths`` that has it, with a citation.
 
@@ -100,7 +104,13 @@ def load_measured(
     for name in ("agent", "cloud", "envelope"):
         if name not in sections:
             raise KeyError(f"no bench results with a {name!r} section in {[str(p) for p in paths]}")
-    agent = sections["agent"][0]["reference student int8"]
+    agent = sections["agent"][0].get(REFERENCE_STUDENT)
+    if agent is None:
+        raise KeyError(
+            f"the agent section of {sections['agent'][1]} has no {REFERENCE_STUDENT!r}: the"
+            " 64 px reference student was not built when it ran; build it"
+            " (`edgeloop models bootstrap`), then `make bench BENCH_ARGS=--only agent`"
+        )
     cloud = sections["cloud"][0]
     envelope = sections["envelope"][0][f"{frame_px}px"]
     a_cite, c_cite, e_cite = sections["agent"][1], sections["cloud"][1], sections["envelope"][1]

@@ -117,6 +117,14 @@ def test_measured_inputs_come_from_the_bench_with_sources(tmp_path: Path) -> Non
     assert measured.verdict_bytes > 100
     with pytest.raises(KeyError, match="agent"):
         load_measured([newer])
+    # An agent section run without the reference classifier pair says how to get it.
+    unbuilt = _bench(
+        tmp_path / "unbuilt.json",
+        "T3",
+        {"agent": {"figures": {"tiny-student 224px": {"video_fps": 300}}}},
+    )
+    with pytest.raises(KeyError, match="edgeloop models bootstrap"):
+        load_measured([unbuilt, full])
     fleet = {
         "teacher": "t",
         "knee": {"last_healthy_per_s": 123.0, "last_healthy_agents": 200},
