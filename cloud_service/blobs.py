@@ -52,24 +52,23 @@ class LocalBlobStore:
         return self.root / check_blob_key(key)
 
     def put(self, key: str, data: bytes) -> None:
-        path = str(self._path(key))
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            self._replace(path, data, fsync=self.fsync)
-        except OSError as exc:
-            raise StoreError(f"cannot write blob {key}: {exc.strerror or exc}") from exc
+        self._write(key, data, fsync=self.fsync, in_place=False)
 
-    def _write(self, key: str, data: bytes, *, fsync: bool) -> None:
-        """Write ``data`` as the blob ``key``, for ``put_many``.
+    def _write(self, key: str, data: bytes, *, fsync: bool, in_place: bool = True) -> None:
+        """Write ``data`` as the blob ``key``; ``put`` always replaces atomically.
 
-        A new blob is written in place: ``put_many``'s callers (ingest) point no row
-        at it until the batch commits, after the write is durable, so nothing reads
-        it half-written. A blob that exists already (a redelivered sample's, or what
-        a crash left of one) is replaced atomically, as ``put`` writes every blob: a
-        temporary file beside it, renamed over it.
+        For ``put_many`` (``in_place``), a new blob is written in place: its callers
+        (ingest) point no row at it until the batch commits, after the write is
+        durable, so nothing reads it half-written. A blob that exists already (a
+        redelivered sample's, or what a crash left of one) is replaced atomically:
+        a temporary file beside it, renamed over it.
         """
         path = str(self._path(key))
         try:
+            if not in_place:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                self._replace(path, data, fsync=fsync)
+                return
             try:
                 fd = os.open(path, _CREATE_FLAGS, 0o600)
             except FileNotFoundError:  # the folder's first blob (or it was removed)
