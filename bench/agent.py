@@ -12,8 +12,9 @@ Side by side on the same frames and the same session and thread settings:
   one-thread load generator in another process over keep-alive connections, so
   the client costs little CPU (its share is reported). Its forwarded samples go
   through the local Mosquitto to a stand-in for the verifier in a third process
-  (``_CloudAnswers``: a receipt per agent every 50 ms, at most 100 ids each, and a
-  verdict per sample, as the verifier sends them; its CPU share is reported);
+  (``_CloudAnswers``: a receipt per agent every 50 ms, at most 100 ids each, and
+  the verdicts in batches of at most 100, as the verifier sends them; its CPU share
+  is reported);
 * the agent reading a video file in a loop (in process, no clients), against raw
   ORT reading the same file. Its forwarded samples go to the same stand-in, in
   process in place of the broker link.
@@ -620,14 +621,16 @@ class _CloudAnswers:
     """What the verifier sends an agent for its forwarded samples, without a verifier.
 
     A receipt per flush, as the verifier sends them (``receipt_flush_ms`` 50,
-    ``receipt_max_ids`` 100), and a verdict per sample (made from one encoded
-    template, so the stand-in's own work per sample is small). The agent pays for
+    ``receipt_max_ids`` 100), and the flush's verdicts in ``edgeloop.verdicts``
+    messages of at most ``verdicts_per_message`` (100), made from one encoded
+    template, so the stand-in's own work per sample is small. The agent pays for
     its side of delivery: publishing, the spool, and handling every receipt and
     verdict (decoding, deleting from the spool, storing the verdict).
     """
 
     FLUSH_S = 0.05
     MAX_IDS = 100
+    VERDICTS_PER_MESSAGE = 100
 
     def __init__(
         self,
@@ -694,8 +697,15 @@ class _CloudAnswers:
                 chunk = ids[at : at + self.MAX_IDS]
                 receipt = Receipt(sample_ids=chunk, stored_at=datetime.now(UTC))
                 self._send(self._receipts, encode_message(receipt))
-            for sample_id in ids:
-                self._send(self._verdicts, self._template.replace(template_id, sample_id.encode()))
+            for at in range(0, len(ids), self.VERDICTS_PER_MESSAGE):
+                verdicts = b",".join(
+                    self._template.replace(template_id, sample_id.encode())
+                    for sample_id in ids[at : at + self.VERDICTS_PER_MESSAGE]
+                )
+                self._send(
+                    self._verdicts,
+                    b'{"schema":"edgeloop.verdicts","v":1,"verdicts":[' + verdicts + b"]}",
+                )
 
 
 class _StandInCloud:

@@ -271,14 +271,14 @@ class MachineCpu:
 
 class _Arrivals:
     """A QoS 1 subscriber to one topic that counts what arrives and notes when (per
-    sample id, when ``key`` reads one from a payload)."""
+    sample id, when ``key`` reads a payload's ids: a verdict batch carries several)."""
 
     def __init__(
         self,
         topic: str,
         expected: int,
         protocol: Any,
-        key: Callable[[bytes], str] | None = None,
+        key: Callable[[bytes], list[str]] | None = None,
     ) -> None:
         target = MqttTarget.parse(BROKER)
         self.count = 0
@@ -298,9 +298,13 @@ class _Arrivals:
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
         self.last = time.perf_counter()
-        if self.key is not None:
-            self.times[self.key(bytes(message.payload))] = self.last
-        self.count += 1
+        if self.key is None:
+            self.count += 1
+        else:
+            ids = self.key(bytes(message.payload))
+            for sample_id in ids:
+                self.times[sample_id] = self.last
+            self.count += len(ids)
         if self.count >= self.expected:
             self.all_arrived.set()
 
@@ -335,6 +339,10 @@ class _Echo:
         self.client.loop_stop()
 
 
+def _envelope_ids(payload: bytes) -> list[str]:
+    return [_envelope_id(payload)]
+
+
 def _envelope_id(payload: bytes) -> str:
     """An envelope's sample id, read from its JSON header alone."""
     from shared.envelope import PREFIX_SIZE
@@ -343,8 +351,10 @@ def _envelope_id(payload: bytes) -> str:
     return str(json.loads(payload[PREFIX_SIZE : PREFIX_SIZE + length])["sample_id"])
 
 
-def _verdict_id(payload: bytes) -> str:
-    return str(json.loads(payload)["sample_id"])
+def _verdict_ids(payload: bytes) -> list[str]:
+    """The sample ids of a verdict message (a batch, or one verdict), read cheaply."""
+    message = json.loads(payload)
+    return [str(v["sample_id"]) for v in message.get("verdicts", [message])]
 
 
 def _round_trips(
@@ -353,7 +363,7 @@ def _round_trips(
     payloads: list[bytes],
     rate: float,
     protocol: Any,
-    key: Callable[[bytes], str],
+    key: Callable[[bytes], list[str]],
 ) -> tuple[list[float], int]:
     """Publish ``payloads`` at ``rate``/s and time each until its answer arrives on
     ``back_topic`` (in this process, as at the agent): seconds per answered payload, and
@@ -395,7 +405,7 @@ def _latency_sweep(topics: Topics, capacity: float, protocol: Any, quick: bool) 
             _envelopes(n, fleet, agent),
             rate,
             protocol,
-            _verdict_id,
+            _verdict_ids,
         )
         raw_out = f"bench-rt/{uuid.uuid4().hex[:8]}"
         echo = _Echo(f"{raw_out}/out", f"{raw_out}/back", protocol)
@@ -406,7 +416,7 @@ def _latency_sweep(topics: Topics, capacity: float, protocol: Any, quick: bool) 
                 _envelopes(n, "bench", "raw"),
                 rate,
                 protocol,
-                _envelope_id,
+                _envelope_ids,
             )
         finally:
             echo.close()
@@ -512,7 +522,7 @@ def _processes_end_to_end(
     own: ``tree``, its process, and its children)."""
     fleet, agent = "bench", f"cam-{uuid.uuid4().hex[:6]}"
     payloads = _envelopes(n, fleet, agent)
-    verdicts = _Arrivals(topics.verdicts(fleet, agent), n, protocol)
+    verdicts = _Arrivals(topics.verdicts(fleet, agent), n, protocol, key=_verdict_ids)
     pub = _publisher(protocol)
     cpu = MachineCpu(tree)
     cpu.start()

@@ -220,6 +220,13 @@ class CloudSettings(EdgeLoopSettings):
     ingest_tick_ms: float = Field(default=10.0, gt=0.0, le=1000.0)
     receipt_flush_ms: float = Field(default=50.0, gt=0.0, le=10_000.0)
     receipt_max_ids: int = Field(default=100, ge=1, le=1000)
+    verdicts_per_message: int = Field(
+        default=100,
+        ge=1,
+        le=1000,
+        description="an agent's verdicts sent together in one edgeloop.verdicts message; 1"
+        " sends each as its own edgeloop.verdict (for agents that read no batches)",
+    )
     dead_letter_keep_bytes: int = Field(
         default=65536, ge=0, description="bytes of a refused payload kept for inspection"
     )

@@ -6,8 +6,9 @@ submitted once (the stage tracks what is in flight); under overload the lowest
 priorities (audit samples first) are shed: stored, acked and receipted already,
 they stay pending until the recovery scan queues them again. Each teacher batch's
 results become verdict rows in one transaction per drain (a unique sample_id on
-verdicts: at most one row per sample), and each new verdict is published to its
-agent with the id the agent gave the sample.
+verdicts: at most one row per sample), and the new verdicts are published to their
+agents with the ids the agents gave the samples, each agent's together in one
+``edgeloop.verdicts`` message (``verdicts_per_message`` at most).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from cloud_service.settings import CloudSettings
 from cloud_service.verifier import TeacherModel, TeacherScore
 from shared.errors import StoreError
 from shared.lifecycle import Workers
-from shared.messages import Verdict, encode_message
+from shared.messages import Verdict, encode_verdicts
 from shared.tasks import Answer, task_for
 
 __all__ = ["VerdictStage", "batcher_config"]
@@ -244,9 +245,10 @@ class VerdictStage:
         m = self.metrics
         agreed = 0
         outcomes: Counter[tuple[str, str]] = Counter()
+        out: list[Verdict] = []
         for cloud_id, verdict in verdicts:
             if cloud_id in new:
-                self.publish(verdict)
+                out.append(verdict)
                 agreed += verdict.agrees_with_edge
                 outcomes[str(verdict.agrees_with_edge).lower(), str(verdict.review).lower()] += 1
                 m.capture_to_verdict.observe(max(latency[cloud_id], 0.0))
@@ -254,8 +256,7 @@ class VerdictStage:
             m.verdicts.labels(agrees, review).inc(count)
         m.observe_verdicts(agreed, len(new))
         self.counts["verdicts"] += len(new)
-        for verdict in again:
-            self.publish(verdict)
+        self.publish_many(out + again)
 
     def _make_verdict(self, task: SampleTask, result: TeacherScore, now: datetime) -> Verdict:
         teacher = result.answer or Answer(
@@ -311,9 +312,13 @@ class VerdictStage:
                 raise StoreError(f"verdict for unknown sample {sample_id}")
             return sample.fleet, sample.agent_id, sample.edge_sample_id or sample.sample_id
 
-    def publish(self, verdict: Verdict) -> None:
-        """Send ``verdict`` to its agent."""
-        self._publish(self.topics.verdicts(verdict.fleet, verdict.agent), encode_message(verdict))
+    def publish_many(self, verdicts: Sequence[Verdict]) -> None:
+        """Send ``verdicts`` to their agents, each agent's together (``edgeloop.verdicts``
+        of at most ``verdicts_per_message``; one ``edgeloop.verdict`` each when 1)."""
+        for fleet, agent, payload in encode_verdicts(
+            verdicts, per_message=self.settings.verdicts_per_message
+        ):
+            self._publish(self.topics.verdicts(fleet, agent), payload)
 
 
 def _without_pixels(task: SampleTask) -> SampleTask:

@@ -242,8 +242,8 @@ class IngestStage:
         new_keys = {key for key, (_cloud_id, new) in stored.items() if new}
         self._account(samples, new_keys, dead)
         self.guard.record_isolations(self.sessions)
-        for verdict in republish:
-            self.verdicts.publish(verdict)
+        if republish:
+            self.verdicts.publish_many(republish)
         fresh: dict[str, SampleTask] = {}
         for sample in samples:
             cloud_id, new = stored[_key(sample)]

@@ -62,7 +62,7 @@ from shared.errors import EdgeLoopError, MessageError
 from shared.images import ImageInfo
 from shared.interpreter import SwitchInterval
 from shared.lifecycle import WorkerHealth
-from shared.messages import Receipt, Verdict, decode_message
+from shared.messages import Receipt, decode_message, decode_verdicts
 
 __all__ = ["Agent", "FrameResult", "Reply", "VerdictStore", "build_engine", "build_publisher"]
 
@@ -364,7 +364,7 @@ class Agent:
             elif topic == self.topic_receipts:
                 self.forwarding.on_receipt(decode_message(payload, Receipt))
             elif topic == self.topic_verdicts:
-                self.verdict_keeper.on_verdict(decode_message(payload, Verdict))
+                self.verdict_keeper.on_verdicts(decode_verdicts(payload))
             else:
                 log.debug("ignoring message on %s", topic)
         except MessageError as exc:

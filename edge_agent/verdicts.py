@@ -363,6 +363,11 @@ class VerdictKeeper:
     def health(self) -> dict[str, object]:
         return {**self.webhook.health(), **self.store.health()}
 
+    def on_verdicts(self, verdicts: Iterable[Verdict]) -> None:
+        """``on_verdict`` for each of a message's verdicts."""
+        for verdict in verdicts:
+            self.on_verdict(verdict)
+
     def on_verdict(self, verdict: Verdict) -> None:
         """Count, match, store and post one verdict (a store failure is logged)."""
         self.telemetry.record_verdict(verdict.agrees_with_edge)

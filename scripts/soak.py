@@ -10,7 +10,7 @@ verdicts). Per window (a minute by default) it records the process's resident me
 and the publish-to-verdict latency percentiles, and prints one line per window as it
 closes. Pass: RSS growth from the first to the last window <= 10 %, the last window's
 p99 within 2x the first's (or under 100 ms), nothing lost, exactly one stored verdict
-per sample. Verdict messages that reach an agent twice are counted and shown apart
+per sample. Verdicts that reach an agent twice are counted and shown apart
 (QoS 1 delivers at least once). The summary states each figure against its limit. The
 RSS is the whole process's: the verifier plus the simulated fleet, whose per-sample
 bookkeeping (the ids it sent and saw answered) grows with every sample, so the figure
@@ -38,7 +38,7 @@ import psutil
 from cloud_service.demo_teacher import build_demo_teacher
 from shared.broker import MosquittoProcess
 from shared.envelope import encode_envelope
-from shared.messages import Verdict
+from shared.messages import decode_verdicts
 from shared.mqtt import MqttTarget, make_client
 from shared.topics import Topics
 from simulations.samples import image_bytes, sample_header
@@ -66,13 +66,14 @@ class SimFleet:
         self.images = [image_bytes(seed=s) for s in range(16)]
 
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
-        verdict = Verdict.model_validate_json(message.payload)
+        verdicts = decode_verdicts(message.payload)
         now = time.monotonic()
         with self.lock:
-            self.verdicts[verdict.sample_id] = self.verdicts.get(verdict.sample_id, 0) + 1
-            sent = self.sent.get(verdict.sample_id)
-            if sent is not None and self.verdicts[verdict.sample_id] == 1:
-                self.latency.append((now, now - sent))
+            for verdict in verdicts:
+                self.verdicts[verdict.sample_id] = self.verdicts.get(verdict.sample_id, 0) + 1
+                sent = self.sent.get(verdict.sample_id)
+                if sent is not None and self.verdicts[verdict.sample_id] == 1:
+                    self.latency.append((now, now - sent))
 
     def publish(self, n: int) -> None:
         i = n % len(self.clients)

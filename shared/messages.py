@@ -37,7 +37,7 @@ import base64
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
@@ -73,6 +73,7 @@ from shared.topics import validate_id
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "MAX_VERDICTS_PER_MESSAGE",
     "MESSAGE_TYPES",
     "SCORE_DIGITS",
     "AgentStatus",
@@ -84,9 +85,12 @@ __all__ = [
     "RouteReason",
     "SampleHeader",
     "Verdict",
+    "Verdicts",
     "decode_any",
     "decode_message",
+    "decode_verdicts",
     "encode_message",
+    "encode_verdicts",
     "sign_manifest",
     "verify_announcement",
     "verify_manifest_bytes",
@@ -135,8 +139,11 @@ def _pydantic(check: Any, *args: Any) -> Any:
     return run
 
 
+_CONTROL_CHARS = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
 def _no_control_chars(value: str) -> str:
-    if any(ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F for ch in value):
+    if _CONTROL_CHARS.search(value):
         raise ValueError("text must not contain control characters")
     return value
 
@@ -149,6 +156,15 @@ def _round_score(value: float) -> float:
     return rounded
 
 
+def _round_scores(values: list[float]) -> list[float]:
+    """``_round_score`` for each of a list, in one validator call (a call per element
+    was most of what checking a message cost)."""
+    rounded = [float(f"{value:.{SCORE_DIGITS}g}") for value in values]
+    if not all(map(math.isfinite, rounded)):
+        raise ValueError("value is too large")
+    return rounded
+
+
 SampleId = Annotated[str, AfterValidator(_pydantic(validate_sample_id))]
 FleetId = Annotated[str, AfterValidator(_pydantic(validate_id, "fleet"))]
 AgentId = Annotated[str, AfterValidator(_pydantic(validate_id, "agent"))]
@@ -156,7 +172,7 @@ ShortText = Annotated[str, Field(min_length=1, max_length=128), AfterValidator(_
 Score = Annotated[float, AfterValidator(_round_score)]
 # A classifier's scores (one per class), or a detector's (one per box: none on an
 # empty frame); the message's own check says which.
-Scores = Annotated[list[Score], Field(max_length=1000)]
+Scores = Annotated[list[float], Field(max_length=1000), AfterValidator(_round_scores)]
 Confidence = Annotated[float, Field(ge=0.0, le=1.0), AfterValidator(_round_score)]
 Rate = Annotated[float, Field(ge=0.0, le=1.0)]
 NonNegative = Annotated[float, Field(ge=0.0)]
@@ -165,6 +181,7 @@ Dimension = Annotated[int, Field(ge=1, le=2**31 - 1)]
 
 
 def _check_box(box: list[float]) -> list[float]:
+    box = _round_scores(box)
     x1, y1, x2, y2, score, cls = box
     if not (0.0 <= x1 <= x2 <= 1.0 and 0.0 <= y1 <= y2 <= 1.0):
         raise ValueError("a box's corners are fractions of the frame with x1 <= x2, y1 <= y2")
@@ -177,7 +194,7 @@ def _check_box(box: list[float]) -> list[float]:
 
 # A detected object (shared.tasks.detection): x1, y1, x2, y2 as fractions of the
 # frame, score, class index.
-DetectedBox = Annotated[list[Score], Field(min_length=6, max_length=6), AfterValidator(_check_box)]
+DetectedBox = Annotated[list[float], Field(min_length=6, max_length=6), AfterValidator(_check_box)]
 Boxes = Annotated[list[DetectedBox], Field(max_length=300)]
 
 
@@ -299,6 +316,31 @@ class Verdict(Message):
         return self
 
 
+MAX_VERDICTS_PER_MESSAGE = 1000
+
+
+class Verdicts(Message):
+    """Several verdicts for one agent in one message (the verifier sends a teacher
+    batch's verdicts for an agent together: one publish and one acknowledgement
+    instead of one per sample). Each element is a whole ``edgeloop.verdict``."""
+
+    SCHEMA: ClassVar[str] = "edgeloop.verdicts"
+    VERSION: ClassVar[int] = 1
+
+    verdicts: list[Verdict] = Field(min_length=1, max_length=MAX_VERDICTS_PER_MESSAGE)
+
+    @model_validator(mode="after")
+    def _one_agent(self) -> Verdicts:
+        first = self.verdicts[0]
+        for verdict in self.verdicts[1:]:
+            if (verdict.fleet, verdict.agent) != (first.fleet, first.agent):
+                raise ValueError(
+                    f"verdicts for {verdict.fleet}/{verdict.agent} and {first.fleet}/"
+                    f"{first.agent} in one message: a message carries one agent's verdicts"
+                )
+        return self
+
+
 class AgentStatus(Message):
     """An agent's heartbeat and telemetry (retained), or its last will ("offline")."""
 
@@ -386,7 +428,15 @@ class ModelAnnouncement(Message):
 MESSAGE_TYPES: Mapping[str, type[Message]] = MappingProxyType(
     {
         cls.SCHEMA: cls
-        for cls in (SampleHeader, Receipt, Verdict, AgentStatus, ModelStatus, ModelAnnouncement)
+        for cls in (
+            SampleHeader,
+            Receipt,
+            Verdict,
+            Verdicts,
+            AgentStatus,
+            ModelStatus,
+            ModelAnnouncement,
+        )
     }
 )
 
@@ -508,6 +558,48 @@ def decode_any(data: MessageData, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES)
         )
     _check_version(obj, cls)
     return _validate(obj, cls)
+
+
+def decode_verdicts(
+    data: MessageData, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> list[Verdict]:
+    """The verdicts in a message on an agent's verdict topic: an ``edgeloop.verdicts``
+    batch or a single ``edgeloop.verdict`` (as verifiers before batches, or with
+    ``verdicts_per_message`` 1, send them); raise MessageError if unfit."""
+    obj = _load_object(data, max_bytes)
+    if obj.get("schema") == Verdicts.SCHEMA:
+        _check_version(obj, Verdicts)
+        return list(_validate(obj, Verdicts).verdicts)
+    return [decode_message(obj, Verdict)]
+
+
+def encode_verdicts(
+    verdicts: Sequence[Verdict],
+    *,
+    per_message: int = 100,
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> list[tuple[str, str, bytes]]:
+    """Messages for ``verdicts``, as (fleet, agent, payload): each agent's verdicts in
+    ``edgeloop.verdicts`` batches of at most ``per_message`` verdicts and ``max_bytes``
+    bytes, in order; ``per_message`` 1 sends each as a single ``edgeloop.verdict``."""
+    by_agent: dict[tuple[str, str], list[Verdict]] = {}
+    for verdict in verdicts:
+        by_agent.setdefault((verdict.fleet, verdict.agent), []).append(verdict)
+    out: list[tuple[str, str, bytes]] = []
+    for (fleet, agent), own in by_agent.items():
+        if per_message <= 1:
+            out.extend((fleet, agent, encode_message(v)) for v in own)
+            continue
+        chunks = [own[i : i + per_message] for i in range(0, len(own), per_message)]
+        while chunks:
+            chunk = chunks.pop(0)
+            payload = encode_message(Verdicts(verdicts=chunk))
+            if len(payload) > max_bytes and len(chunk) > 1:
+                half = len(chunk) // 2  # too large (a detector's boxes): split in two
+                chunks[:0] = [chunk[:half], chunk[half:]]
+                continue
+            out.append((fleet, agent, payload))
+    return out
 
 
 def sign_manifest(manifest: ModelManifest, key: FleetSigningKey) -> ModelAnnouncement:

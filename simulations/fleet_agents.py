@@ -26,7 +26,7 @@ from PIL import Image
 from shared.envelope import encode_envelope
 from shared.errors import MessageError, TransportError
 from shared.ids import new_sample_id
-from shared.messages import Receipt, SampleHeader, Verdict, decode_message
+from shared.messages import Receipt, SampleHeader, decode_message, decode_verdicts
 from shared.mqtt import MqttTarget
 from shared.topics import Topics
 
@@ -64,11 +64,12 @@ class Ledger:
     def on_verdict(self, payload: bytes | bytearray) -> None:
         now = time.time()
         try:
-            verdict = decode_message(payload, Verdict)
+            verdicts = decode_verdicts(payload)
         except MessageError:
             self.refused += 1
             return
-        self.verdict_at.setdefault(verdict.sample_id, now)
+        for verdict in verdicts:
+            self.verdict_at.setdefault(verdict.sample_id, now)
 
     def on_receipt(self, payload: bytes | bytearray) -> None:
         now = time.time()

@@ -39,7 +39,7 @@ from edge_agent.routing import Router
 from edge_agent.settings import AgentSettings
 from shared.errors import MessageError
 from shared.ids import new_sample_id
-from shared.messages import Verdict, decode_message
+from shared.messages import decode_verdicts
 
 __all__ = ["Fleet", "LoopAgent", "LoopProgress", "PhaseStats", "Timeline"]
 
@@ -138,10 +138,12 @@ class LoopAgent(Agent):
         if topic != self.topic_verdicts:
             return
         try:
-            verdict = decode_message(payload, Verdict)
+            verdicts = decode_verdicts(payload)
         except MessageError:
             return  # the agent itself has counted and logged the refusal
-        self.loop.on_verdict(verdict.sample_id, verdict.label, time.perf_counter())
+        now = time.perf_counter()
+        for verdict in verdicts:
+            self.loop.on_verdict(verdict.sample_id, verdict.label, now)
 
 
 # ---------------------------------------------------------------------------------

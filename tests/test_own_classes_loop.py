@@ -46,7 +46,7 @@ from edge_agent.engine import Engine
 from edge_agent.settings import AgentSettings
 from edge_agent.sources.http import ApiServer
 from shared.errors import MessageError
-from shared.messages import Verdict, decode_message
+from shared.messages import decode_verdicts
 from shared.topics import Topics
 from simulations.cli_models import models_app
 from tests.conftest import BrokerInfo
@@ -126,11 +126,12 @@ class WatchedAgent(Agent):
         if topic != self.topic_verdicts:
             return
         try:
-            verdict = decode_message(payload, Verdict)
+            verdicts = decode_verdicts(payload)
         except MessageError:
             return
         with self._watch:
-            self.teacher_labels[verdict.sample_id] = verdict.label
+            for verdict in verdicts:
+                self.teacher_labels[verdict.sample_id] = verdict.label
             if self.expected and self.expected <= set(self.teacher_labels):
                 self.all_verdicts.set()
 

@@ -16,8 +16,7 @@ from cloud_service.db.session import make_engine, make_session_factory, upgrade_
 from cloud_service.ingest import IngestSample, sample_row
 from cloud_service.settings import CloudSettings
 from shared.ids import new_sample_id
-from shared.messages import Receipt
-from shared.messages import Verdict as VerdictMessage
+from shared.messages import Receipt, decode_verdicts
 from shared.topics import Topics
 from tests.cloud_service.conftest import image_bytes, make_envelope, make_header, publisher
 from tests.cloud_service.test_worker import _wait, running_worker
@@ -132,6 +131,6 @@ def test_two_agents_with_one_sample_id_each_get_their_receipt_and_verdict(
     assert len({s.sample_id for s in samples.values()}) == 2
     assert {s.edge_predicted for s in samples.values()} == {0, 1}
     for agent in agents:
-        verdicts = [VerdictMessage.model_validate_json(p) for p in received("verdicts", agent)]
+        verdicts = [v for p in received("verdicts", agent) for v in decode_verdicts(p)]
         assert {(v.sample_id, v.fleet, v.agent) for v in verdicts} == {(sid, fleet, agent)}
         assert sid in receipted(agent)

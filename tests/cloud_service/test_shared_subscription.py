@@ -13,8 +13,7 @@ from sqlalchemy import func, select
 from cloud_service.db.models import Sample, Verdict
 from cloud_service.settings import CloudSettings
 from cloud_service.worker import VerifierWorker
-from shared.messages import Receipt
-from shared.messages import Verdict as VerdictMessage
+from shared.messages import Receipt, decode_verdicts
 from shared.mqtt import MqttTarget, negotiate_protocol
 from shared.topics import Topics
 from tests.cloud_service.conftest import image_bytes, make_envelope, publisher, wait_until
@@ -131,9 +130,10 @@ def test_two_verifiers_share_the_samples_and_verify_each_once(
 
         def verdicts_heard() -> set[str]:
             return {
-                VerdictMessage.model_validate_json(payload).sample_id
+                verdict.sample_id
                 for topic, payload in collector.messages
                 if topic.endswith("/verdicts")
+                for verdict in decode_verdicts(payload)
             }
 
         # The agent hears a receipt and a verdict for every sample, whichever verifier took it.

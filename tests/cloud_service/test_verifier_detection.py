@@ -16,8 +16,7 @@ from cloud_service.db.models import Sample, Verdict
 from cloud_service.settings import CloudSettings
 from edge_agent.testing import make_tiny_detector
 from shared.envelope import encode_envelope
-from shared.messages import SampleHeader
-from shared.messages import Verdict as VerdictMessage
+from shared.messages import SampleHeader, decode_verdicts
 from shared.topics import Topics
 from tests.cloud_service.conftest import SIZE, make_header, publisher
 from tests.cloud_service.test_worker import _wait, running_worker
@@ -75,7 +74,14 @@ def test_the_verdict_carries_the_teachers_boxes_and_names_what_differs(
             pub.publish(topics.samples(fleet, agent), envelope, qos=1).wait_for_publish(5)
         assert _wait(lambda: worker.counts["verdicts"] >= 2), dict(worker.counts)
         assert collector.wait_for(
-            lambda: sum(t.endswith("/verdicts") for t, _ in collector.messages) >= 2
+            lambda: (
+                sum(
+                    len(decode_verdicts(p))
+                    for t, p in collector.messages
+                    if t.endswith("/verdicts")
+                )
+                >= 2
+            )
         )
         with worker.sessions() as session:
             stored = {s.sample_id: s for s in session.scalars(select(Sample))}
@@ -85,8 +91,7 @@ def test_the_verdict_carries_the_teachers_boxes_and_names_what_differs(
         pub.loop_stop()
         pub.disconnect()
     verdicts = {
-        v.sample_id: v
-        for v in (VerdictMessage.model_validate_json(p) for _, p in collector.messages)
+        v.sample_id: v for v in (v for _, p in collector.messages for v in decode_verdicts(p))
     }
     ok, flagged = verdicts[agreeing], verdicts[missing]
     assert ok.agrees_with_edge and not ok.review

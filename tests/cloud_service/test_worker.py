@@ -20,8 +20,7 @@ from cloud_service.settings import CloudSettings
 from cloud_service.worker import VerifierWorker
 from shared.broker import free_port
 from shared.errors import TransportError
-from shared.messages import AgentStatus, Receipt, encode_message
-from shared.messages import Verdict as VerdictMessage
+from shared.messages import AgentStatus, Receipt, decode_verdicts, encode_message
 from shared.topics import Topics
 from tests.cloud_service.conftest import (
     image_bytes,
@@ -106,9 +105,7 @@ def test_samples_are_stored_receipted_and_verified(
             assert statuses <= {"verified", "flagged"}
         pub.loop_stop()
         pub.disconnect()
-    verdicts = [
-        VerdictMessage.model_validate_json(p) for t, p in collector.messages if "verdicts" in t
-    ]
+    verdicts = [v for t, p in collector.messages if "verdicts" in t for v in decode_verdicts(p)]
     # 40 new verdicts, plus the stored one republished for the duplicate after verification.
     assert {v.sample_id for v in verdicts} == set(sent)
     assert len(verdicts) >= 40

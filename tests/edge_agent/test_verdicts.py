@@ -18,7 +18,7 @@ from edge_agent.agent import Agent
 from edge_agent.settings import AgentSettings
 from edge_agent.sources.http import ApiServer, create_app
 from edge_agent.testing import MemoryPublisher
-from shared.messages import Verdict, encode_message
+from shared.messages import Verdict, decode_message, encode_message, encode_verdicts
 
 HOLD_SAFETY_NET_S = 120.0  # a held answer goes by itself after this, should a test not release it
 
@@ -219,6 +219,39 @@ def test_verdicts_survive_a_restart(
     assert body["verdict"]["label"] == 3
     assert body["verdict"]["agrees_with_edge"] is False
     assert body["result"] == answered["result"]
+
+
+def test_a_batch_of_verdicts_reaches_every_sample_and_a_bad_batch_is_refused_whole(
+    make_settings: Callable[..., AgentSettings],
+    engine: object,
+    frame_ids: Callable[[Agent, int], list[str]],
+) -> None:
+    settings = make_settings(route_max_prob_below=1.01)
+    publisher = MemoryPublisher()
+    with Agent(settings, engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
+        ids = frame_ids(agent, 3)
+        verdicts = [
+            decode_message(_verdict(sample_id, label, agrees=label != 1), Verdict)
+            for label, sample_id in enumerate(ids)
+        ]
+        ((_fleet, _agent, batch),) = encode_verdicts(verdicts)
+        assert json.loads(batch)["schema"] == "edgeloop.verdicts"
+        publisher.deliver(agent.topic_verdicts, batch)
+        for label, sample_id in enumerate(ids):
+            found = agent.sample(sample_id)
+            assert found is not None and found["verdict"]["label"] == label
+        # One verdict in a batch is not valid (label outside its scores): the whole
+        # message is refused and counted, and nothing of it is taken.
+        bad = json.loads(batch)
+        bad["verdicts"][0]["sample_id"] = "0190f5c2-7a1b-7c3d-8e4f-0123456789ab"
+        bad["verdicts"][1]["label"] = 99
+        publisher.deliver(agent.topic_verdicts, json.dumps(bad).encode())
+        assert agent.sample("0190f5c2-7a1b-7c3d-8e4f-0123456789ab") is None
+        refused = agent.telemetry.registry.get_sample_value(
+            "edgeloop_agent_malformed_messages_total",
+            {"kind": "verdict", "reason": "invalid_message"},
+        )
+        assert refused == 1.0
 
 
 def test_verdict_retention_is_bounded(

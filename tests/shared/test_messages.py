@@ -22,6 +22,7 @@ from shared.errors import (
 )
 from shared.ids import new_sample_id
 from shared.messages import (
+    DEFAULT_MAX_MESSAGE_BYTES,
     MESSAGE_TYPES,
     AgentStatus,
     Message,
@@ -29,9 +30,12 @@ from shared.messages import (
     Receipt,
     SampleHeader,
     Verdict,
+    Verdicts,
     decode_any,
     decode_message,
+    decode_verdicts,
     encode_message,
+    encode_verdicts,
 )
 
 NOW = datetime(2025, 6, 1, 12, 0, 0, 250000, tzinfo=UTC)
@@ -62,6 +66,18 @@ def sample_header(**overrides: Any) -> SampleHeader:
 
 def examples() -> list[Message]:
     sid = new_sample_id()
+    verdict = Verdict(
+        sample_id=new_sample_id(),
+        fleet="plant-3",
+        agent="cam-017",
+        teacher_model="vit-b16-teacher",
+        teacher_version="2025.05",
+        scores=[0.9, 0.1],
+        label=0,
+        confidence=0.9,
+        agrees_with_edge=True,
+        verified_at=NOW,
+    )
     return [
         sample_header(),
         Receipt(sample_ids=[sid, new_sample_id()], stored_at=NOW),
@@ -107,6 +123,7 @@ def examples() -> list[Message]:
             reason="golden case 0 differs by 0.2",
             at=NOW,
         ),
+        Verdicts(verdicts=[verdict, verdict.model_copy(update={"sample_id": sid})]),
     ]
 
 
@@ -126,6 +143,7 @@ def test_registry_holds_every_message_type() -> None:
         "edgeloop.sample",
         "edgeloop.receipt",
         "edgeloop.verdict",
+        "edgeloop.verdicts",
         "edgeloop.status",
         "edgeloop.model-status",
         "edgeloop.model-announcement",
@@ -434,3 +452,72 @@ def test_mutated_messages_only_raise_message_errors(data: st.DataObject) -> None
         assert isinstance(exc, MessageError)
         return
     assert isinstance(decoded, Message)
+
+
+def _agent_verdict(agent: str, label: int = 1, boxes: int = 0) -> Verdict:
+    answer: dict[str, Any] = {"scores": [0.1, 0.9], "label": label}
+    if boxes:
+        answer = {
+            "scores": [0.9] * boxes,
+            "label": 0,
+            "boxes": [[0.1, 0.1, 0.5, 0.5, 0.9, i % 3] for i in range(boxes)],
+        }
+    return Verdict(
+        sample_id=new_sample_id(),
+        fleet="f",
+        agent=agent,
+        teacher_model="teacher",
+        teacher_version="7",
+        confidence=0.9,
+        agrees_with_edge=True,
+        verified_at=NOW,
+        **answer,
+    )
+
+
+def test_verdicts_go_out_per_agent_in_batches_that_decode_back_in_order() -> None:
+    verdicts = [_agent_verdict("a") for _ in range(5)] + [_agent_verdict("b")]
+    verdicts.insert(2, _agent_verdict("b", label=0))
+    messages = encode_verdicts(verdicts, per_message=2)
+    assert [(fleet, agent) for fleet, agent, _ in messages] == [("f", "a")] * 3 + [("f", "b")]
+    back = {
+        agent: [v for _, a, p in messages if a == agent for v in decode_verdicts(p)]
+        for agent in ("a", "b")
+    }
+    assert back["a"] == [v for v in verdicts if v.agent == "a"]
+    assert back["b"] == [v for v in verdicts if v.agent == "b"]
+    assert all(json.loads(p)["schema"] == "edgeloop.verdicts" for _, _, p in messages)
+
+
+def test_one_verdict_per_message_when_asked_and_either_form_decodes() -> None:
+    verdicts = [_agent_verdict("a"), _agent_verdict("a")]
+    messages = encode_verdicts(verdicts, per_message=1)
+    assert [json.loads(p)["schema"] for _, _, p in messages] == ["edgeloop.verdict"] * 2
+    assert [v for _, _, p in messages for v in decode_verdicts(p)] == verdicts
+
+
+def test_a_batch_too_large_for_one_message_is_split() -> None:
+    verdicts = [_agent_verdict("a", boxes=100) for _ in range(20)]
+    messages = encode_verdicts(verdicts, per_message=100)
+    assert len(messages) > 1
+    assert all(len(p) <= DEFAULT_MAX_MESSAGE_BYTES for _, _, p in messages)
+    assert [v for _, _, p in messages for v in decode_verdicts(p)] == verdicts
+
+
+def test_a_batch_mixing_agents_or_of_another_schema_is_refused() -> None:
+    mixed = {
+        "schema": "edgeloop.verdicts",
+        "v": 1,
+        "verdicts": [
+            json.loads(encode_message(_agent_verdict("a"))),
+            json.loads(encode_message(_agent_verdict("b"))),
+        ],
+    }
+    with pytest.raises(MessageValidationError, match="one agent's verdicts"):
+        decode_verdicts(json.dumps(mixed).encode())
+    with pytest.raises(MessageValidationError):
+        decode_verdicts(json.dumps({**mixed, "verdicts": []}).encode())
+    with pytest.raises(UnsupportedVersionError):
+        decode_verdicts(json.dumps({**mixed, "v": 2}).encode())
+    with pytest.raises(UnknownSchemaError):
+        decode_verdicts(b'{"schema": "edgeloop.receipt", "v": 1}')
