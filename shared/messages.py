@@ -148,28 +148,23 @@ def _no_control_chars(value: str) -> str:
     return value
 
 
-def _round_score(value: float) -> float:
-    """Round to SCORE_DIGITS significant digits (the shortest JSON form of that value)."""
-    rounded = float(f"{value:.{SCORE_DIGITS}g}")
-    if not math.isfinite(rounded):  # 1.7977e308 rounds up to infinity
-        raise ValueError("value is too large")
-    return rounded
-
-
 def _round_scores(values: list[float]) -> list[float]:
-    """``_round_score`` for each of a list, in one validator call (a call per element
-    was most of what checking a message cost)."""
+    """Round each to SCORE_DIGITS significant digits (the shortest JSON form of that
+    value); one validator call for a whole list of scores, not one per element."""
     rounded = [float(f"{value:.{SCORE_DIGITS}g}") for value in values]
-    if not all(map(math.isfinite, rounded)):
+    if not all(map(math.isfinite, rounded)):  # 1.7977e308 rounds up to infinity
         raise ValueError("value is too large")
     return rounded
+
+
+def _round_score(value: float) -> float:
+    return _round_scores([value])[0]
 
 
 SampleId = Annotated[str, AfterValidator(_pydantic(validate_sample_id))]
 FleetId = Annotated[str, AfterValidator(_pydantic(validate_id, "fleet"))]
 AgentId = Annotated[str, AfterValidator(_pydantic(validate_id, "agent"))]
 ShortText = Annotated[str, Field(min_length=1, max_length=128), AfterValidator(_no_control_chars)]
-Score = Annotated[float, AfterValidator(_round_score)]
 # A classifier's scores (one per class), or a detector's (one per box: none on an
 # empty frame); the message's own check says which.
 Scores = Annotated[list[float], Field(max_length=1000), AfterValidator(_round_scores)]
@@ -320,9 +315,9 @@ MAX_VERDICTS_PER_MESSAGE = 1000
 
 
 class Verdicts(Message):
-    """Several verdicts for one agent in one message (the verifier sends a teacher
-    batch's verdicts for an agent together: one publish and one acknowledgement
-    instead of one per sample). Each element is a whole ``edgeloop.verdict``."""
+    """Several verdicts for one agent in one message (the verifier sends the verdicts
+    it has for an agent at once: one publish and one acknowledgement instead of one
+    per sample). Each element is a whole ``edgeloop.verdict``."""
 
     SCHEMA: ClassVar[str] = "edgeloop.verdicts"
     VERSION: ClassVar[int] = 1
