@@ -131,7 +131,10 @@ def test_envelope_and_verdict_ids_are_read_from_their_payloads() -> None:
     envelope = bench_cloud._envelopes(1, "bench", "cam-1")[0]
     sample_id = bench_cloud._envelope_id(envelope)
     assert sample_id
-    assert bench_cloud._verdict_id(b'{"sample_id": "%s"}' % sample_id.encode()) == sample_id
+    single = b'{"sample_id": "%s"}' % sample_id.encode()
+    assert bench_cloud._verdict_ids(single) == [sample_id]
+    batch = b'{"verdicts": [%s, {"sample_id": "other"}]}' % single
+    assert bench_cloud._verdict_ids(batch) == [sample_id, "other"]
 
 
 def test_the_decode_figure_is_the_verifiers_decode_of_the_payload_image() -> None:
