@@ -630,7 +630,6 @@ class _CloudAnswers:
 
     FLUSH_S = 0.05
     MAX_IDS = 100
-    VERDICTS_PER_MESSAGE = 100
 
     def __init__(
         self,
@@ -641,10 +640,17 @@ class _CloudAnswers:
         *,
         detection: bool = False,
     ) -> None:
+        from cloud_service.settings import CloudSettings
         from shared.ids import new_sample_id
-        from shared.messages import Verdict, encode_message
+        from shared.messages import Verdict, Verdicts, encode_message
 
         self._send = send
+        # As the verifier batches an agent's verdicts, with its default batch size.
+        self._per_message = CloudSettings.model_fields["verdicts_per_message"].default
+        self._batch_head = b'{"schema":"%s","v":%d,"verdicts":[' % (
+            Verdicts.SCHEMA.encode(),
+            Verdicts.VERSION,
+        )
         self._receipts = topics.receipts(fleet, agent)
         self._verdicts = topics.verdicts(fleet, agent)
         self._template_id = new_sample_id()
@@ -697,15 +703,12 @@ class _CloudAnswers:
                 chunk = ids[at : at + self.MAX_IDS]
                 receipt = Receipt(sample_ids=chunk, stored_at=datetime.now(UTC))
                 self._send(self._receipts, encode_message(receipt))
-            for at in range(0, len(ids), self.VERDICTS_PER_MESSAGE):
+            for at in range(0, len(ids), self._per_message):
                 verdicts = b",".join(
                     self._template.replace(template_id, sample_id.encode())
-                    for sample_id in ids[at : at + self.VERDICTS_PER_MESSAGE]
+                    for sample_id in ids[at : at + self._per_message]
                 )
-                self._send(
-                    self._verdicts,
-                    b'{"schema":"edgeloop.verdicts","v":1,"verdicts":[' + verdicts + b"]}",
-                )
+                self._send(self._verdicts, self._batch_head + verdicts + b"]}")
 
 
 class _StandInCloud:

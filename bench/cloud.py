@@ -23,11 +23,10 @@ Each figure is measured side by side with its baseline in one run (medians of re
 * the verifier as deployed: ``cloud-service verifier`` in a subprocess, then with
   ``--workers 2``, against raw pub/sub round by round, ``DEPLOYED_SAMPLES`` (6000)
   per round: the steady state of a loaded verifier, not a short burst's start and
-  drain. The CPU of the verifier's
-  processes per sample, less the teacher's inference (raw ORT at batch 32, every
-  core) and the JPEG decode (the verifier's ``decode_image`` on a thread per core,
-  as its decode pool runs it), is what the verifier itself costs per sample (goal
-  <= 0.5 ms);
+  drain. The CPU of the verifier's processes per sample, less the teacher's
+  inference (raw ORT at batch 32, every core) and the JPEG decode (the verifier's
+  ``decode_image`` on a thread per core, as its decode pool runs it), is what the
+  verifier itself costs per sample (goal <= 0.5 ms);
 * latency as the agent sees it: frame published -> its verdict back on the agent's
   verdict topic, p50 and p99 at 10%, 50% and 90% of one verifier process's measured
   capacity, against a raw round trip (publish -> a client that republishes -> back)
@@ -515,9 +514,9 @@ def _end_to_end(
 
 WORKERS = 2  # verifier processes in the several-process pipeline run (one per core here)
 # Samples per round of the verifier as deployed: about five seconds of a loaded
-# verifier, so its CPU per sample is the steady state's. A burst of 1500 also paid
-# for filling and draining the pipeline (the last teacher batches part-full, the
-# threads waking for little), about 0.13 ms more per sample on this host.
+# verifier, so its CPU per sample is the steady state's: a short burst also pays for
+# filling and draining the pipeline (the last teacher batches part-full, the threads
+# waking for little).
 DEPLOYED_SAMPLES = 6000
 DEPLOYED_QUICK = 600
 

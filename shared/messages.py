@@ -504,7 +504,7 @@ def decode_verdicts(
 def encode_verdicts(
     verdicts: Sequence[Verdict],
     *,
-    per_message: int = 100,
+    per_message: int,
     max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> list[tuple[str, str, bytes]]:
     """Messages for ``verdicts``, as (fleet, agent, payload): each agent's verdicts in

@@ -234,7 +234,7 @@ def test_a_batch_of_verdicts_reaches_every_sample_and_a_bad_batch_is_refused_who
             decode_message(_verdict(sample_id, label, agrees=label != 1), Verdict)
             for label, sample_id in enumerate(ids)
         ]
-        ((_fleet, _agent, batch),) = encode_verdicts(verdicts)
+        ((_fleet, _agent, batch),) = encode_verdicts(verdicts, per_message=100)
         assert json.loads(batch)["schema"] == "edgeloop.verdicts"
         publisher.deliver(agent.topic_verdicts, batch)
         for label, sample_id in enumerate(ids):

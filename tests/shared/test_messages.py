@@ -64,20 +64,32 @@ def sample_header(**overrides: Any) -> SampleHeader:
     return SampleHeader(**fields)
 
 
-def examples() -> list[Message]:
-    sid = new_sample_id()
-    verdict = Verdict(
-        sample_id=new_sample_id(),
-        fleet="plant-3",
-        agent="cam-017",
-        teacher_model="vit-b16-teacher",
-        teacher_version="2025.05",
-        scores=[0.9, 0.1],
-        label=0,
+def _agent_verdict(
+    agent: str, label: int = 1, boxes: int = 0, fleet: str = "f", sample_id: str | None = None
+) -> Verdict:
+    answer: dict[str, Any] = {"scores": [0.1, 0.9], "label": label}
+    if boxes:
+        answer = {
+            "scores": [0.9] * boxes,
+            "label": 0,
+            "boxes": [[0.1, 0.1, 0.5, 0.5, 0.9, i % 3] for i in range(boxes)],
+        }
+    return Verdict(
+        sample_id=sample_id or new_sample_id(),
+        fleet=fleet,
+        agent=agent,
+        teacher_model="teacher",
+        teacher_version="7",
         confidence=0.9,
         agrees_with_edge=True,
         verified_at=NOW,
+        **answer,
     )
+
+
+def examples() -> list[Message]:
+    sid = new_sample_id()
+    verdict = _agent_verdict("cam-017", label=0, fleet="plant-3")
     return [
         sample_header(),
         Receipt(sample_ids=[sid, new_sample_id()], stored_at=NOW),
@@ -123,7 +135,7 @@ def examples() -> list[Message]:
             reason="golden case 0 differs by 0.2",
             at=NOW,
         ),
-        Verdicts(verdicts=[verdict, verdict.model_copy(update={"sample_id": sid})]),
+        Verdicts(verdicts=[verdict, _agent_verdict("cam-017", fleet="plant-3", sample_id=sid)]),
     ]
 
 
@@ -452,27 +464,6 @@ def test_mutated_messages_only_raise_message_errors(data: st.DataObject) -> None
         assert isinstance(exc, MessageError)
         return
     assert isinstance(decoded, Message)
-
-
-def _agent_verdict(agent: str, label: int = 1, boxes: int = 0) -> Verdict:
-    answer: dict[str, Any] = {"scores": [0.1, 0.9], "label": label}
-    if boxes:
-        answer = {
-            "scores": [0.9] * boxes,
-            "label": 0,
-            "boxes": [[0.1, 0.1, 0.5, 0.5, 0.9, i % 3] for i in range(boxes)],
-        }
-    return Verdict(
-        sample_id=new_sample_id(),
-        fleet="f",
-        agent=agent,
-        teacher_model="teacher",
-        teacher_version="7",
-        confidence=0.9,
-        agrees_with_edge=True,
-        verified_at=NOW,
-        **answer,
-    )
 
 
 def test_verdicts_go_out_per_agent_in_batches_that_decode_back_in_order() -> None:
