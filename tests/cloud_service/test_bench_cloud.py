@@ -140,3 +140,12 @@ def test_envelope_and_verdict_ids_are_read_from_their_payloads() -> None:
 def test_the_decode_figure_is_the_verifiers_decode_of_the_payload_image() -> None:
     for threads in (1, 2):
         assert 0 < bench_cloud._decode_cpu_ms(threads, repeats=1, calls=3) < 1000
+
+
+def test_the_teacher_figure_is_the_cpu_of_a_pass_per_frame() -> None:
+    def busy_pass() -> None:
+        deadline = time.process_time() + 0.02
+        while time.process_time() < deadline:
+            pass
+
+    assert bench_cloud._teacher_cpu_ms(busy_pass, 10) >= 2.0  # 20 ms of CPU over 10 frames

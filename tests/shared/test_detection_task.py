@@ -272,3 +272,25 @@ def test_golden_difference_names_a_shape_that_does_not_fit() -> None:
     rows = DETECTION.golden_rows(_golden_frame((0.1, 0.1, 0.3, 0.3, 0.9, 1)))
     with pytest.raises(ValueError, match="expected 1 frames of 4 rows"):
         DETECTION.golden_difference(rows, np.zeros((1, 5, 6)), atol=1e-3)
+
+
+def test_answers_keep_the_boxes_over_the_threshold_most_confident_first_within_the_frame() -> None:
+    rows = np.array(
+        [
+            [
+                [0.1, 0.1, 0.3, 0.3, 0.6, 1],
+                [0.2, 0.2, 0.4, 0.4, 0.1, 2],  # under the threshold: left out
+                [np.nan, -0.5, 1.5, np.inf, 0.9, 3],  # corners as fractions: into [0, 1]
+                [0.5, 0.5, 0.7, 0.7, 0.6, 4],  # the same score as the first: after it
+                [0.5, 0.5, 0.7, 0.7, np.nan, 5],  # no score: left out
+            ]
+        ],
+        np.float32,
+    )
+    (answer,) = DETECTION.answers(rows)
+    assert [b[5] for b in answer.boxes] == [3, 1, 4]
+    assert answer.boxes[0][:4] == (0.0, 0.0, 1.0, 1.0)
+    assert all(isinstance(b[5], int) and isinstance(b[0], float) for b in answer.boxes)
+    assert answer.label == 3
+    assert answer.confidence == pytest.approx((0.9 + 0.6 + 0.6) / 3)
+    assert DETECTION.sample_fields(rows[0])["predicted"] == 3
