@@ -361,15 +361,21 @@ class ServerLimits:
     max_head_bytes: int = 16384
 
 
-def header_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol]:
-    """uvicorn's h11 protocol that closes a connection whose request head is not complete
-    within ``timeout_s`` of the connection or of the previous response."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+def header_limits_protocol(timeout_s: float, max_head_bytes: int) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol (llhttp, in C: a fraction of the CPU per request of
+    the pure-Python h11 parser, which the frame upload pays on every frame) with the
+    request head held to limits: a connection whose head is not complete within ``timeout_s``
+    of the connection or of the previous response is closed, and a head over
+    ``max_head_bytes`` is answered 431 and its connection closed."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class HeaderTimeoutH11Protocol(H11Protocol):
+    class HeaderLimitsProtocol(HttpToolsProtocol):
         header_timeout_s = timeout_s
+        head_limit = max_head_bytes
         _head_timer: asyncio.TimerHandle | None = None
+        # Between requests, or inside a request's head: the next bytes are a head's.
+        _in_head = True
+        _head_bytes = 0
 
         def _arm(self) -> None:
             self._disarm()
@@ -382,7 +388,7 @@ def header_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol]:
 
         def _head_expired(self) -> None:
             self._head_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self._in_head and not self.transport.is_closing():
                 self.transport.close()
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -393,17 +399,66 @@ def header_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol]:
             self._disarm()
             super().connection_lost(exc)
 
+        _head_size = 0  # the parsed head's URL and headers so far
+        _head_too_large = False
+
         def data_received(self, data: bytes) -> None:
+            if self._in_head:
+                self._head_bytes += len(data)
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:
-                self._disarm()  # the head is complete
+            # A head still incomplete past the limit (a complete one is counted as parsed).
+            too_long = self._in_head and self._head_bytes > self.head_limit
+            if too_long and not self.transport.is_closing():
+                self._refuse_head()
+
+        def _grow_head(self, size: int) -> None:
+            self._head_size += size
+            if self._head_size > self.head_limit:
+                self._head_too_large = True
+                raise ValueError("request head too large")  # the parser stops: a 400 below
+
+        def on_url(self, url: bytes) -> None:
+            self._grow_head(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._grow_head(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def send_400_response(self, msg: str) -> None:
+            if self._head_too_large:
+                self._refuse_head()
+            else:
+                super().send_400_response(msg)
+
+        def _refuse_head(self) -> None:
+            message = (
+                f"request head over {self.head_limit} bytes: send a shorter request line"
+                " and fewer or shorter headers"
+            ).encode("ascii")
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                b"content-type: text/plain; charset=utf-8\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(message), message)
+            )
+            self.transport.close()
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            self._disarm()  # the head is complete
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            # What follows is the next request's head.
+            self._in_head, self._head_bytes, self._head_size = True, 0, 0
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            if self._in_head and not self.transport.is_closing():
                 self._arm()  # the next request's head is held to the same time
 
-    return HeaderTimeoutH11Protocol
+    return HeaderLimitsProtocol
 
 
 def server_config(app: Any, *, host: str, port: int, limits: ServerLimits, **options: Any) -> Any:
@@ -415,11 +470,10 @@ def server_config(app: Any, *, host: str, port: int, limits: ServerLimits, **opt
         app,
         host=host,
         port=port,
-        http=header_timeout_protocol(limits.header_timeout_s),
+        http=header_limits_protocol(limits.header_timeout_s, limits.max_head_bytes),
         timeout_keep_alive=limits.keep_alive_s,
         limit_concurrency=limits.limit_concurrency,
         backlog=limits.backlog,
-        h11_max_incomplete_event_size=limits.max_head_bytes,
         proxy_headers=False,
         **options,
     )

@@ -109,3 +109,40 @@ def test_a_declared_oversize_frame_is_refused_and_counted(server: ApiServer, age
     assert answer.startswith(b"HTTP/1.1 413"), answer
     counted = agent.telemetry.bad_input.labels("http", "too_large")._value.get()
     assert counted >= 1
+
+
+def _answer_to(server: ApiServer, head: bytes) -> bytes:
+    """What the server sends back to ``head`` before it closes the connection."""
+    answer = b""
+    with socket.create_connection((server.host, server.port), timeout=60) as sock:
+        sock.sendall(head)
+        while chunk := sock.recv(4096):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_request_head_over_the_limit_is_a_431_and_the_connection_closes(
+    server: ApiServer, finished: bool
+) -> None:
+    limit = AgentSettings.model_fields["http_max_head_bytes"].default
+    head = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"X-Padding: " + b"a" * (limit + 100)
+    answer = _answer_to(server, head + (b"\r\n\r\n" if finished else b"\r\n"))
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert f"request head over {limit} bytes".encode() in answer
+
+
+def test_heads_within_the_limit_are_served_one_after_another_on_a_connection(
+    server: ApiServer,
+) -> None:
+    padding = b"X-Padding: " + b"a" * 8000 + b"\r\n"
+    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + padding + b"\r\n"
+    with socket.create_connection((server.host, server.port), timeout=60) as sock:
+        for _ in range(3):  # each head counted afresh, not the connection's total
+            sock.sendall(request)
+            answer = b""
+            while b'"ok"' not in answer:
+                chunk = sock.recv(4096)
+                assert chunk, answer
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200"), answer
