@@ -4,7 +4,9 @@
 
 Side by side on the same frames and the same session and thread settings:
 
-* raw ORT on the same 320x240 JPEG frames, decoding with the agent's own
+* raw ORT on the same JPEG frames (camera-like 320x240 frames; for the detector,
+  scenes of the scenario it was trained on, at its input size, which it forwards
+  at the rate a deployed detector would), decoding with the agent's own
   ``decode_for_model`` on as many threads as the agent decodes with, overlapping
   inference (the goal's baseline); for information, the same decode on one thread,
   and the session alone on frames decoded beforehand (the ceiling);
@@ -128,6 +130,35 @@ def _frames(n: int, width: int = 320, height: int = 240) -> list[bytes]:
         assert ok
         out.append(buf.tobytes())
     return out
+
+
+def _scene_frames(n: int, side: int) -> list[bytes] | None:
+    """JPEG frames of the reference detection scenario at ``side`` (its test split, in
+    a loop): what a detector trained on them sees on its cameras. None without distill."""
+    try:
+        from distill.detector_cache import reference_scenario
+        from distill.scenes import render_scenes
+    except ImportError:
+        return None
+    scenes = render_scenes("test", reference_scenario(side)).frames
+    out = []
+    for i in range(n):
+        ok, buf = cv2.imencode(".jpg", cv2.cvtColor(scenes[i % len(scenes)], cv2.COLOR_RGB2BGR))
+        assert ok
+        out.append(buf.tobytes())
+    return out
+
+
+def _frames_for(task: str, side: int, n: int) -> tuple[list[bytes], str]:
+    """The frames a model is measured on, and what they are: a detector's own scenes
+    (synthetic gradients are out of its domain, and it forwards a third to over half of
+    them to the teacher: a measure of its routing, not of the agent), else camera-like
+    320x240 frames."""
+    if task == "detection":
+        scenes = _scene_frames(n, side)
+        if scenes is not None:
+            return scenes, f"{side}x{side} scenes of its reference scenario"
+    return _frames(n), "320x240 camera-like frames"
 
 
 def _video(path: Path, frames: list[bytes]) -> Path:
@@ -1036,13 +1067,13 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
     thread_rows: list[list[Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        jpegs = _frames(n_frames)
-        clip = _video(workdir / "clip.avi", jpegs[:64])
-        for label, model in _models(workdir):
+        for index, (label, model) in enumerate(_models(workdir)):
             if only and only not in label:
                 continue
             task, side = _model_info(model)
-            shown = f"{label} ({task}, {side}px)"
+            jpegs, frames_shown = _frames_for(task, side, n_frames)
+            clip = _video(workdir / f"clip-{index}.avi", jpegs[:64])
+            shown = f"{label} ({task}, {side}px; {frames_shown})"
             http = _http(model, jpegs, repeats, workdir / "http")
             result = {**http, "input_side": float(side)}
             http_rows.append(
@@ -1130,7 +1161,8 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
         ),
         f"max_batch={MAX_BATCH}; {CLIENTS} keep-alive connections (opened at each burst's start)"
         " from a one-thread load"
-        f" generator in its own process; {n_frames} 320x240 JPEG frames per burst. Each of"
+        f" generator in its own process; {n_frames} JPEG frames per burst (each model's, as"
+        " its row says). Each of"
         f" {repeats} rounds (after one warm-up) times the raw loops and then one HTTP burst"
         " back to back; figures and ratios are medians over the rounds (ratios per round),"
         " latency percentiles over all bursts, CPU shares of all cores during the burst. The"

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import socket
 
+import cv2
 import httpx
+import numpy as np
 
 from bench import agent as bench_agent
 from edge_agent.sources.http import ApiServer
@@ -46,3 +48,12 @@ def test_ready_asks_a_local_service_for_readyz() -> None:
     assert not ready(free_port())  # nothing listens there
     with ApiServer(bench_agent.bare_app(b"{}")) as server:
         assert ready(server.port)
+
+
+def test_a_detector_is_measured_on_scenes_of_its_scenario_at_its_input_size() -> None:
+    frames, shown = bench_agent._frames_for("detection", 64, 3)
+    assert len(frames) == 3 and "64x64 scenes" in shown
+    image = cv2.imdecode(np.frombuffer(frames[0], np.uint8), cv2.IMREAD_COLOR)
+    assert image.shape == (64, 64, 3)
+    frames, shown = bench_agent._frames_for("classification", 224, 2)
+    assert len(frames) == 2 and "320x240" in shown
