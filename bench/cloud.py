@@ -652,6 +652,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     n_frames = 256 if quick else 512
     frames = _frames(n_frames)
 
+    # The raw session at batch 32: the batcher's baseline here, goal 1's teacher later.
+    teacher_pass = _raw_pass(teacher, frames, BATCH)
     batcher_32, batched_pass = _batcher_pass(teacher, frames, BATCH)
     batcher_1, single_pass = _batcher_pass(teacher, frames, 1)
     # The batcher serves inside the verifier, which runs CPython's switch interval at
@@ -662,7 +664,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             {
                 "batched": batched_pass,
                 "single": single_pass,
-                "raw": _raw_pass(teacher, frames, BATCH),
+                "raw": teacher_pass,
                 "raw_single": _raw_pass(teacher, frames, 1),
             },
             len(frames),
@@ -731,7 +733,6 @@ def run(quick: bool = False) -> dict[str, Any]:
     n = 600 if quick else 1500
     repeats = 5
     cores = os.cpu_count() or 1
-    teacher_pass = _raw_pass(teacher, frames, BATCH)
     with stack:
         url = stack.database_url
         engine = create_engine(url)
