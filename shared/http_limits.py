@@ -415,7 +415,8 @@ def header_limits_protocol(timeout_s: float, max_head_bytes: int) -> type[asynci
             self._head_size += size
             if self._head_size > self.head_limit:
                 self._head_too_large = True
-                raise ValueError("request head too large")  # the parser stops: a 400 below
+                # The parser stops and uvicorn answers a parse error: 431 (send_400_response).
+                raise ValueError("request head too large")
 
         def on_url(self, url: bytes) -> None:
             self._grow_head(len(url))
