@@ -91,4 +91,5 @@ class Task(Protocol):
 def unit(value: float) -> float:
     """A score or confidence as the messages carry it: within [0, 1] (float rounding
     can overshoot)."""
-    return min(1.0, max(0.0, float(value)))
+    v = float(value)
+    return 1.0 if v > 1.0 else v if v > 0.0 else 0.0  # NaN: 0.0, as min/max would give

@@ -245,7 +245,7 @@ class DetectionTask:
         kept = rows[rows[:, 4] >= max(self.score_threshold, 1e-9)].tolist()
         kept.sort(key=_score, reverse=True)  # stable: equal scores keep their order
         return tuple(
-            (_unit(x1), _unit(y1), _unit(x2), _unit(y2), _unit(score), int(label))
+            (unit(x1), unit(y1), unit(x2), unit(y2), unit(score), int(label))
             for x1, y1, x2, y2, score, label in kept
         )
 
@@ -388,8 +388,3 @@ DETECTION = DetectionTask()
 
 def _score(row: list[float]) -> float:
     return row[4]
-
-
-def _unit(value: float) -> float:
-    """``unit`` for a Python float: NaN to 0, then into [0, 1]."""
-    return 1.0 if value > 1.0 else value if value > 0.0 else 0.0
