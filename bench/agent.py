@@ -2,7 +2,10 @@
 
     python -m bench.run --only agent        # or: python -m bench.agent [--quick] [--no-video]
 
-Side by side on the same frames and the same session and thread settings:
+Side by side on the same frames and the same session and thread settings, in the
+ORT layout the raw loop runs fastest in (``fastest_layout``: one batch at a time on
+ORT's intra-op threads, one per core; or a batch per core at once, each on one
+thread, the agent's ``inference_threads``):
 
 * raw ORT on the same JPEG frames (camera-like 320x240 frames; for the detector,
   scenes of the scenario it was trained on, at its input size, which it forwards
@@ -58,7 +61,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -77,7 +81,29 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 8
 # Two batches' worth of keep-alive connections: one batch is queued while one runs.
 CLIENTS = 2 * MAX_BATCH
-INTRA_OP_THREADS = 0  # ORT's default (one per core), for the agent and every baseline
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How inference spreads over the cores, for the agent and every baseline alike:
+    ORT's intra-op threads per session run, and the batches inferred at once (each on
+    its own thread; the agent's ``inference_threads``)."""
+
+    intra_op_threads: int  # 0: ORT's default, one per core
+    inference_threads: int
+
+    @property
+    def label(self) -> str:
+        intra = self.intra_op_threads or "one per core"
+        return f"{self.inference_threads} at once x {intra} intra-op"
+
+
+CORES = os.cpu_count() or 1
+# One batch at a time on every core (ORT's parallel operators), or a batch per core,
+# each on one thread (no hand-offs inside an operator). Which is faster depends on the
+# model: each model is measured in the layout its raw loop runs fastest in.
+LAYOUTS = (Layout(0, 1), Layout(1, CORES))
+DEFAULT_LAYOUT = LAYOUTS[0]
 SPINNING = os.environ.get("BENCH_ORT_SPINNING", "0") == "1"  # the agent's ort_spinning
 DECODE_THREADS = 2  # the agent's http_decode_threads, and the baseline's decode threads
 # The agent's routing in each run: its defaults; off (nothing forwarded: no
@@ -224,13 +250,13 @@ def _decode(jpeg: bytes, hw: tuple[int, int]) -> np.ndarray:
     return decode_for_model(jpeg, hw, max_bytes=10**7, max_pixels=10**8).tensor
 
 
-def _engine(model: Path) -> Any:
+def _engine(model: Path, layout: Layout) -> Any:
     from edge_agent.engine import EngineOptions, OrtEngine
 
     return OrtEngine(
         model,
         EngineOptions(
-            intra_op_threads=INTRA_OP_THREADS,
+            intra_op_threads=layout.intra_op_threads,
             spinning=SPINNING,
             warmup_runs=2,
             warmup_batch=MAX_BATCH,
@@ -245,14 +271,28 @@ def _timed(fn: Callable[[], object]) -> tuple[float, float]:
     return time.perf_counter() - start, time.process_time() - cpu
 
 
-def _raw_loops(model: Path, jpegs: list[bytes]) -> dict[str, Callable[[], object]]:
+def _each_batch(infer: Callable[[int], None], starts: range, threads: int) -> None:
+    """``infer(start)`` for each batch, on ``threads`` threads as the agent infers (one:
+    in order on this thread)."""
+    if threads == 1:
+        for start in starts:
+            infer(start)
+        return
+    with concurrent.futures.ThreadPoolExecutor(threads, "raw-infer") as runners:
+        for done in runners.map(infer, starts):
+            del done
+
+
+def _raw_loops(
+    model: Path, jpegs: list[bytes], layout: Layout = DEFAULT_LAYOUT
+) -> dict[str, Callable[[], object]]:
     """Raw ORT loops on the same frames, with the same session options as the agent.
 
     ``pipelined``: the agent's decode+resize on as many threads as the agent decodes
     with, overlapping inference (the goal's baseline); ``serial``: decode then run,
     on one thread; ``tensors``: frames decoded beforehand (the ceiling).
     """
-    engine = _engine(model)
+    engine = _engine(model, layout)
     hw = engine.input_hw
     tensors = [_decode(j, hw) for j in jpegs]
     pool = concurrent.futures.ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="raw-decode")
@@ -267,13 +307,18 @@ def _raw_loops(model: Path, jpegs: list[bytes]) -> dict[str, Callable[[], object
 
     def pipelined() -> None:
         decoded = [pool.submit(_decode, j, hw) for j in jpegs]
-        for i in range(0, len(jpegs), MAX_BATCH):
+
+        def infer(i: int) -> None:
             engine.run(np.stack([f.result() for f in decoded[i : i + MAX_BATCH]]))
+
+        _each_batch(infer, range(0, len(jpegs), MAX_BATCH), layout.inference_threads)
 
     return {"raw_decode": pipelined, "raw_decode_serial": serial, "raw": tensors_only}
 
 
-def _write_config(workdir: Path, model: Path, port: int, *, routing: str = "defaults") -> Path:
+def _write_config(
+    workdir: Path, model: Path, port: int, layout: Layout, *, routing: str = "defaults"
+) -> Path:
     """``edge-agent run``'s config for the HTTP bench, with routing ``ROUTING[routing]``."""
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "agent.toml"
@@ -282,7 +327,9 @@ def _write_config(workdir: Path, model: Path, port: int, *, routing: str = "defa
         f'data_dir = "{workdir}"\nmodel_path = "{model}"\nhttp_port = {port}\n'
         f'mqtt_url = "{_broker_url()}"\nfleet = "{FLEET}"\nagent_id = "{agent_id}"\n'
         f"max_batch = {MAX_BATCH}\nmax_wait_ms = 2.0\nheartbeat_s = 5.0\n"
-        f"intra_op_threads = {INTRA_OP_THREADS}\nhttp_decode_threads = {DECODE_THREADS}\n"
+        f"intra_op_threads = {layout.intra_op_threads}\n"
+        f"inference_threads = {layout.inference_threads}\n"
+        f"http_decode_threads = {DECODE_THREADS}\n"
         f"ort_spinning = {str(SPINNING).lower()}\n"
         'log_level = "WARNING"\n'
         + "".join(f"{k} = {v}\n" for k, v in ROUTING[routing].items())
@@ -449,12 +496,14 @@ def _cloud_count(conn: Connection, cloud: Any) -> tuple[int, float]:
     return int(samples), float(cpu)
 
 
-def _start_agent(model: Path, workdir: Path, *, routing: str = "defaults") -> tuple[Any, int]:
+def _start_agent(
+    model: Path, workdir: Path, layout: Layout, *, routing: str = "defaults"
+) -> tuple[Any, int]:
     """``edge-agent run`` in a subprocess on a free port: (process, port)."""
     from shared.broker import free_port
 
     port = free_port()
-    config = _write_config(workdir, model, port, routing=routing)
+    config = _write_config(workdir, model, port, layout, routing=routing)
     process = subprocess.Popen(
         [sys.executable, "-m", "edge_agent.cli", "run", "--config", str(config)],
         stdout=subprocess.DEVNULL,
@@ -472,7 +521,9 @@ def _wait_ready(process: Any, port: int, timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def _http(model: Path, jpegs: list[bytes], repeats: int, workdir: Path) -> dict[str, float]:
+def _http(
+    model: Path, jpegs: list[bytes], repeats: int, workdir: Path, layout: Layout = DEFAULT_LAYOUT
+) -> dict[str, float]:
     """The agent behind HTTP and the raw loops, interleaved round by round (a noisy host
     then slows both sides of each ratio alike); medians over the rounds.
 
@@ -482,10 +533,10 @@ def _http(model: Path, jpegs: list[bytes], repeats: int, workdir: Path) -> dict[
     and the forward path's costs from the rest of the agent's.
     """
     task, _side = _model_info(model)
-    raw_loops = _raw_loops(model, jpegs)
-    agent_process, agent_port = _start_agent(model, workdir / "agent")
-    twin_process, twin_port = _start_agent(model, workdir / "unforwarded", routing="off")
-    all_process, all_port = _start_agent(model, workdir / "forward-all", routing="all")
+    raw_loops = _raw_loops(model, jpegs, layout)
+    agent_process, agent_port = _start_agent(model, workdir / "agent", layout)
+    twin_process, twin_port = _start_agent(model, workdir / "unforwarded", layout, routing="off")
+    all_process, all_port = _start_agent(model, workdir / "forward-all", layout, routing="all")
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     client: Any = None
@@ -849,7 +900,12 @@ def _thread_cpu() -> dict[str, float]:
 
 
 def _video_window(
-    model: Path, video: Path, window_s: float, *, routing: str = "defaults"
+    model: Path,
+    video: Path,
+    window_s: float,
+    *,
+    routing: str = "defaults",
+    layout: Layout = DEFAULT_LAYOUT,
 ) -> dict[str, float]:
     """Start an agent with a camera source on ``video``, time one window, stop it.
 
@@ -867,7 +923,8 @@ def _video_window(
             agent_id="bench-video",
             max_batch=MAX_BATCH,
             max_wait_ms=2.0,
-            intra_op_threads=INTRA_OP_THREADS,
+            intra_op_threads=layout.intra_op_threads,
+            inference_threads=layout.inference_threads,
             ort_spinning=SPINNING,
             cameras=[CameraSource(name="video", uri=str(video), max_fps=10_000.0)],
             **ROUTING[routing],
@@ -902,7 +959,9 @@ def _video_window(
     }
 
 
-def _raw_video_loops(model: Path, video: Path, n: int) -> dict[str, Callable[[], object]]:
+def _raw_video_loops(
+    model: Path, video: Path, n: int, layout: Layout = DEFAULT_LAYOUT
+) -> dict[str, Callable[[], object]]:
     """Raw ORT on ``n`` frames of the same video, with the agent's frame preparation.
 
     ``raw_video`` (the goal's baseline) is laid out as the agent's camera source is:
@@ -915,7 +974,7 @@ def _raw_video_loops(model: Path, video: Path, n: int) -> dict[str, Callable[[],
     from edge_agent.imaging import prepare_bgr
     from edge_agent.sources.camera import read_frame
 
-    engine = _engine(model)
+    engine = _engine(model, layout)
     hw = engine.input_hw
 
     def prepare(bgr: np.ndarray) -> np.ndarray:
@@ -957,20 +1016,51 @@ def _raw_video_loops(model: Path, video: Path, n: int) -> dict[str, Callable[[],
 
             thread = threading.Thread(target=reader, name="raw-read")
             thread.start()
-            batch: list[np.ndarray] = []
-            while (future := prepared.get()) is not None:
-                batch.append(future.result())
-                if len(batch) == MAX_BATCH:
-                    engine.run(np.stack(batch))
-                    batch = []
+            batches = _batches_of(prepared)
+            if layout.inference_threads == 1:
+                for batch in batches:
+                    engine.run(batch)
+            else:
+                gathering = threading.Lock()  # one thread gathers a batch, as the agent's
+
+                def runner() -> None:
+                    while True:
+                        with gathering:
+                            batch = next(batches, None)
+                        if batch is None:
+                            return
+                        engine.run(batch)
+
+                runners = [threading.Thread(target=runner) for _ in range(layout.inference_threads)]
+                for r in runners:
+                    r.start()
+                for r in runners:
+                    r.join()
             thread.join()
         capture.release()
 
     return {"raw_video": pipelined, "raw_video_serial": serial}
 
 
+def _batches_of(
+    prepared: queue.Queue[concurrent.futures.Future[np.ndarray] | None],
+) -> Iterator[np.ndarray]:
+    """Full batches of prepared frames from ``prepared`` until its None."""
+    batch: list[np.ndarray] = []
+    while (future := prepared.get()) is not None:
+        batch.append(future.result())
+        if len(batch) == MAX_BATCH:
+            yield np.stack(batch)
+            batch = []
+
+
 def _video_rounds(
-    model: Path, video: Path, n: int, repeats: int, window_s: float
+    model: Path,
+    video: Path,
+    n: int,
+    repeats: int,
+    window_s: float,
+    layout: Layout = DEFAULT_LAYOUT,
 ) -> dict[str, float]:
     """The agent's camera source and the raw loops on the same clip, round by round.
 
@@ -979,7 +1069,7 @@ def _video_rounds(
     never share the cores and a noisy host slows both sides of a round alike. Figures
     and ratios (per round) are medians.
     """
-    loops = _raw_video_loops(model, video, n)
+    loops = _raw_video_loops(model, video, n, layout)
     for loop in loops.values():
         loop()  # warm-up
     rounds: list[dict[str, float]] = []
@@ -989,11 +1079,11 @@ def _video_rounds(
             wall, cpu = _timed(loop)
             figures[f"{name}_fps"] = n / wall
             figures[f"{name}_cpu_ms_per_frame"] = cpu / n * 1e3
-        figures.update(_video_window(model, video, window_s))
-        unforwarded = _video_window(model, video, window_s, routing="off")
+        figures.update(_video_window(model, video, window_s, layout=layout))
+        unforwarded = _video_window(model, video, window_s, routing="off", layout=layout)
         figures["video_unforwarded_fps"] = unforwarded["video_fps"]
         figures["video_unforwarded_cpu_ms_per_frame"] = unforwarded["video_cpu_ms_per_frame"]
-        every = _video_window(model, video, window_s, routing="all")
+        every = _video_window(model, video, window_s, routing="all", layout=layout)
         figures["video_forward_all_cpu_ms_per_frame"] = every["video_cpu_ms_per_frame"]
         figures["video_forward_all_rate"] = every["video_forward_rate"]
         # Goal 2 on video: the CPU per forwarded sample (the frame's JPEG included).
@@ -1007,6 +1097,52 @@ def _video_rounds(
         )
         rounds.append(figures)
     return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+
+
+def _layout_figures(
+    section: str, layout: Layout, seconds: dict[str, float], n: int
+) -> dict[str, float]:
+    """The chosen layout and each layout's raw fps, as figures of ``section``."""
+    figures = {
+        f"{section}_inference_threads": float(layout.inference_threads),
+        f"{section}_intra_op_threads": float(layout.intra_op_threads),
+    }
+    for other in LAYOUTS:
+        if other.label in seconds:
+            key = f"{section}_raw_fps_{other.inference_threads}x{other.intra_op_threads}"
+            figures[key] = n / seconds[other.label]
+    return figures
+
+
+def _other_fps(layout: Layout, seconds: dict[str, float], n: int) -> float | str:
+    """The raw loop's fps in the layout not chosen ("-" when the layout was named)."""
+    others = [n / s for label, s in seconds.items() if label != layout.label]
+    return others[0] if others else "-"
+
+
+def fastest_layout(
+    build: Callable[..., dict[str, Callable[[], object]]],
+    *args: Any,
+    loop: str,
+    rounds: int = 3,
+) -> tuple[Layout, dict[str, float]]:
+    """The layout whose raw loop ``build(*args, layout)[loop]`` runs fastest, with each
+    layout's median seconds; the layouts alternate round by round after one warm-up
+    pass each. A ``BENCH_LAYOUT`` of "intra,threads" (say "1,2") names the layout."""
+    forced = os.environ.get("BENCH_LAYOUT")
+    if forced:
+        intra, threads = (int(x) for x in forced.split(","))
+        return Layout(intra, threads), {}
+    timed = {layout: build(*args, layout)[loop] for layout in LAYOUTS}
+    for run_once in timed.values():
+        run_once()
+    seconds: dict[Layout, list[float]] = {layout: [] for layout in LAYOUTS}
+    for _ in range(rounds):
+        for layout, run_once in timed.items():
+            seconds[layout].append(_timed(run_once)[0])
+    medians = {layout: statistics.median(s) for layout, s in seconds.items()}
+    best = min(medians, key=lambda layout: medians[layout])
+    return best, {layout.label: medians[layout] for layout in LAYOUTS}
 
 
 CAMERA_SIZES = ((320, 240), (640, 480), (1280, 720), (1920, 1080))
@@ -1074,11 +1210,18 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
             jpegs, frames_shown = _frames_for(task, side, n_frames)
             clip = _video(workdir / f"clip-{index}.avi", jpegs[:64])
             shown = f"{label} ({task}, {side}px; {frames_shown})"
-            http = _http(model, jpegs, repeats, workdir / "http")
-            result = {**http, "input_side": float(side)}
+            http_layout, http_layouts = fastest_layout(_raw_loops, model, jpegs, loop="raw_decode")
+            http = _http(model, jpegs, repeats, workdir / "http", http_layout)
+            result = {
+                **http,
+                **_layout_figures("http", http_layout, http_layouts, len(jpegs)),
+                "input_side": float(side),
+            }
             http_rows.append(
                 [
                     shown,
+                    http_layout.label,
+                    _other_fps(http_layout, http_layouts, len(jpegs)),
                     http["raw_decode_fps"],
                     http["http_fps"],
                     http["http_vs_raw_decode"],
@@ -1104,12 +1247,18 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
                 ]
             )
             if video:
-                vid = _video_rounds(model, clip, video_frames, repeats, window_s)
+                video_layout, video_layouts = fastest_layout(
+                    _raw_video_loops, model, clip, video_frames, loop="raw_video"
+                )
+                vid = _video_rounds(model, clip, video_frames, repeats, window_s, video_layout)
                 result.update(vid)
+                result.update(_layout_figures("video", video_layout, video_layouts, video_frames))
                 result["video_vs_raw"] = vid["video_fps"] / http["raw_fps"]
                 video_rows.append(
                     [
                         shown,
+                        video_layout.label,
+                        _other_fps(video_layout, video_layouts, video_frames),
                         vid["raw_video_fps"],
                         vid["video_fps"],
                         result["video_vs_raw_video"],
@@ -1134,6 +1283,8 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
         markdown_table(
             [
                 "model",
+                "ORT layout (the raw loop's fastest: batches at once x intra-op threads)",
+                "raw ORT fps, the other layout (info)",
                 f"raw ORT fps (same decode+resize, {DECODE_THREADS} decode threads)",
                 "agent HTTP fps",
                 "HTTP / raw+decode",
@@ -1168,8 +1319,10 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
         " latency percentiles over all bursts, CPU shares of all cores during the burst. The"
         " agent and the raw loops decode with edge_agent.imaging.decode_for_model (OpenCV;"
         " a JPEG >= 2x/4x the model input is decoded at 1/2 or 1/4 scale; resize; RGB);"
-        " ORT intra-op threads at its default (one per core) everywhere; agent routing at"
-        " its defaults; RSS of `edge-agent run` after serving. Each round also sends one"
+        " the agent and its baselines in one ORT layout, the one its raw loop ran fastest"
+        f" in of {' and '.join(layout.label for layout in LAYOUTS)} (three alternating"
+        " passes each before the rounds; the other layout's raw fps is shown); agent"
+        " routing at its defaults; RSS of `edge-agent run` after serving. Each round also sends one"
         " burst to a second `edge-agent run` with routing off (nothing forwarded) and one"
         " to a bare server (the agent's uvicorn settings, an app that reads each body and"
         " answers a fixed answer-sized JSON: the HTTP layer alone). The ceiling is the"
@@ -1186,6 +1339,8 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
             markdown_table(
                 [
                     "model",
+                    "ORT layout (the raw loop's fastest)",
+                    "raw ORT fps, the other layout (info)",
                     "raw ORT fps (video read, pipelined)",
                     "agent video fps",
                     "video / raw video",
@@ -1206,8 +1361,10 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
             f"The same 64-frame MJPEG clip in a loop. Raw: one thread reads, one prepares"
             " (the agent's own edge_agent.imaging.prepare_bgr: shrink the BGR frame, then"
             " convert it to RGB), the"
-            f" calling thread runs batches of {MAX_BATCH}, as the agent's camera source is laid"
-            " out (the one-thread loop does the same work step after step; information);"
+            f" calling thread runs batches of {MAX_BATCH} (in the layout of a batch per core,"
+            " as many threads each run one), as the agent's camera source is laid out; the"
+            " layout is the raw loop's fastest, as for HTTP (the one-thread loop does the"
+            " same work step after step; information);"
             f" Agent: a camera source on the file, in process, frames/s over a {window_s:g} s"
             " window after 1 s of warm-up. Each of"
             f" {repeats} rounds times the raw loops on {video_frames} frames, then starts an"

@@ -7,7 +7,8 @@ The agent wires its parts and starts them in order; stopping ends them in revers
 Their named background threads:
 
 - ``inference-loop``  (:mod:`edge_agent.intake`) batches frames across sources and runs
-                      the student
+                      the student (``inference_threads`` > 1: ``inference-loop-1`` ...
+                      too, each with a batch of its own)
 - ``agent-post-*``    routes each inferred batch at once (one hand-over per batch),
                       answers its confident frames, then encodes the forwarded ones
 - ``spool-writer``    (:mod:`edge_agent.forwarding`) stores forwarded samples a
@@ -220,11 +221,13 @@ class Agent:
         return self
 
     def _start_sources(self) -> None:
-        batch = max(1, self.settings.max_batch)
+        # A batch for each inference thread; a video file one more, so its reader
+        # decodes the next batch while those are inferred. A live camera keeps no more,
+        # to answer fresh frames.
+        batches = max(1, self.settings.max_batch) * self.settings.inference_threads
         for camera in self.settings.cameras:
-            # A video file may keep two batches in flight, so its reader decodes the next
-            # batch while one is inferred; a live camera keeps one, to answer fresh frames.
-            inflight = 2 * batch if Path(camera.uri).is_file() else batch
+            live = not Path(camera.uri).is_file()
+            inflight = batches if live else batches + self.settings.max_batch
             self._sources.append(CameraReader(camera, self, max_inflight=inflight).start())
         for folder in self.settings.folders:
             self._sources.append(FolderWatcher(folder, self).start())

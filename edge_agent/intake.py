@@ -203,6 +203,7 @@ class Intake:
             max_batch=s.max_batch,
             max_wait_s=s.max_wait_ms / 1000.0,
             on_batch=self._on_batch,
+            threads=s.inference_threads,
         ).start()
         self._post = WorkerPool(2, name="agent-post")
         return self

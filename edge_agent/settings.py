@@ -112,6 +112,13 @@ class AgentSettings(EdgeLoopSettings):
         default=None, description="ORT providers by preference; default TensorRT, CUDA, CPU"
     )
     intra_op_threads: int = Field(default=0, ge=0)
+    inference_threads: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="batches inferred at once, each on its own thread (with intra_op_threads"
+        " 1: one core each, no intra-op hand-offs)",
+    )
     ort_spinning: bool = Field(
         default=False,
         description="ORT threads spin between batches (off: they sleep, leaving the cores"

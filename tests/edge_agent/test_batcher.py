@@ -207,3 +207,47 @@ def test_a_full_queue_refuses_at_once_or_once_the_timeout_has_passed() -> None:
 def test_submit_job_needs_a_handler() -> None:
     with MicroBatcher(RecordingEngine()) as batcher, pytest.raises(ValueError, match="on_batch"):
         batcher.submit_job(frame(0), "job")
+
+
+class GatedEngine(RecordingEngine):
+    """Holds each batch until ``release`` is set; says when ``inflight`` batches run at once."""
+
+    def __init__(self, inflight: int) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.all_running = threading.Event()
+        self._inflight = inflight
+        self._running = 0
+        self._lock = threading.Lock()
+
+    def run(self, frames: np.ndarray) -> np.ndarray:
+        with self._lock:
+            self._running += 1
+            if self._running == self._inflight:
+                self.all_running.set()
+        assert self.release.wait(SAFETY_NET_S)
+        return super().run(frames)
+
+
+def test_inference_threads_infer_batches_at_once_and_answer_every_frame() -> None:
+    clock = FakeClock()  # never moves: only full batches go
+    engine = GatedEngine(inflight=2)
+    with MicroBatcher(engine, max_batch=4, max_wait_s=WAIT_S, clock=clock, threads=2) as batcher:
+        futures = [batcher.submit(frame(v)) for v in range(8)]
+        # Both batches are in the engine together: the second did not wait for the first.
+        assert engine.all_running.wait(SAFETY_NET_S)
+        assert not any(f.done() for f in futures)
+        engine.release.set()
+        results = [f.result(SAFETY_NET_S) for f in futures]
+        names = sorted(t.name for t in threading.enumerate() if t.name.startswith("inference"))
+    for value, result in enumerate(results):
+        assert result.scores[0] == pytest.approx(value / 255)
+        assert result.batch_size == 4
+    assert engine.sizes == [4, 4]
+    assert batcher.batches == 2 and batcher.frames == 8
+    assert names == ["inference-loop", "inference-loop-1"]
+
+
+def test_inference_threads_must_be_at_least_one() -> None:
+    with pytest.raises(ValueError, match="threads"):
+        MicroBatcher(RecordingEngine(), threads=0)

@@ -250,3 +250,46 @@ def test_source_names_must_be_unique(
     with pytest.raises((ConfigError, ValueError)):
         make_settings(cameras=[CameraSource(name=n, uri="0") for n in names])
     assert threading.active_count() >= 1
+
+
+class TwoAtOnceEngine:
+    """Wraps the real engine; each batch waits until another one runs beside it."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.name, self.version = "pair", "1"
+        self.labels = inner.labels  # type: ignore[attr-defined]
+        self.input_hw = inner.input_hw  # type: ignore[attr-defined]
+        self.provider = "cpu"
+        self.pair = threading.Barrier(2)
+        self.paired = threading.Event()
+
+    def run(self, frames: np.ndarray) -> np.ndarray:
+        if not self.paired.is_set():
+            self.pair.wait(timeout=30)  # raises BrokenBarrierError if no second batch came
+            self.paired.set()
+        return self.inner.run(frames)  # type: ignore[attr-defined,no-any-return]
+
+
+def test_a_video_file_feeds_every_inference_thread_a_batch(
+    tmp_path: Path,
+    make_settings: Callable[..., AgentSettings],
+    engine: object,
+    until: Callable[..., bool],
+) -> None:
+    video = write_video(tmp_path / "clip.avi", frames=5)
+    settings = make_settings(
+        max_batch=4,
+        inference_threads=2,
+        cameras=[CameraSource(name="file-cam", uri=str(video), max_fps=10_000.0)],
+    )
+    paired = TwoAtOnceEngine(engine)
+    with Agent(settings, engine=paired, publisher=MemoryPublisher()) as agent:  # type: ignore[arg-type]
+        # Two batches were in the engine together, and the reader kept going after.
+        assert until(lambda: agent.telemetry.frames_total >= 24, timeout=15)
+        reader = agent._sources[0]
+        status = agent.status()["sources"][0]
+    assert paired.paired.is_set()
+    # A batch per inference thread, and one more read ahead.
+    assert reader.max_inflight == 12  # type: ignore[attr-defined]
+    assert status["dropped"] == 0 and status["last_error"] is None
