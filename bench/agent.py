@@ -79,8 +79,6 @@ from shared.topics import Topics
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 8
-# Two batches' worth of keep-alive connections: one batch is queued while one runs.
-CLIENTS = 2 * MAX_BATCH
 
 
 @dataclass(frozen=True)
@@ -91,6 +89,12 @@ class Layout:
 
     intra_op_threads: int  # 0: ORT's default, one per core
     inference_threads: int
+
+    @property
+    def clients(self) -> int:
+        """Keep-alive connections that keep the agent busy: a batch's worth for each batch
+        inferred at once, and one more batch's queued meanwhile."""
+        return (self.inference_threads + 1) * MAX_BATCH
 
     @property
     def label(self) -> str:
@@ -576,7 +580,7 @@ def _http(
             if _answer(cloud_parent, cloud) != "ready":
                 raise RuntimeError("the stand-in cloud did not start")
         client = context.Process(
-            target=_client_main, args=(jpegs, CLIENTS, child), name="bench-load"
+            target=_client_main, args=(jpegs, layout.clients, child), name="bench-load"
         )
         client.start()
         if _answer(parent, client) != "ready":
@@ -1310,7 +1314,8 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
             ],
             http_rows,
         ),
-        f"max_batch={MAX_BATCH}; {CLIENTS} keep-alive connections (opened at each burst's start)"
+        f"max_batch={MAX_BATCH}; (batches at once + 1) x {MAX_BATCH} keep-alive connections"
+        " (a batch's worth for each batch inferred and one queued; opened at each burst's start)"
         " from a one-thread load"
         f" generator in its own process; {n_frames} JPEG frames per burst (each model's, as"
         " its row says). Each of"
