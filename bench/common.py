@@ -33,14 +33,31 @@ def ready(port: int) -> bool:
 
 
 def cpu_model() -> str:
+    """The CPU as results are grouped by: its name, family and model, and its widest
+    vector instructions (hosts sold under one name differ in those, and in speed)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as handle:
             for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    name = fields.get("model name") or platform.processor() or "unknown"
+    if "cpu family" not in fields:
+        return name
+    flags = set(fields.get("flags", "").split())
+    isa = [
+        label
+        for label, flag in (("AMX", "amx_tile"), ("AVX-512 VNNI", "avx512_vnni"))
+        if flag in flags
+    ]
+    if not isa:
+        isa = ["AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "SSE"]
+    family, model = fields["cpu family"], fields.get("model", "?")
+    return f"{name} (family {family}, model {model}; {', '.join(isa)})"
 
 
 def machine_info() -> dict[str, Any]:

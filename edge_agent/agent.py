@@ -322,6 +322,10 @@ class Agent:
         """Queue one BGR frame as OpenCV captures it (resized first, then converted to RGB)."""
         return self.intake.submit_bgr(bgr, source=source, block=block)
 
+    def answer_bgr(self, bgr: np.ndarray, reply: Reply, *, source: str, block: bool = True) -> None:
+        """Queue one BGR frame; ``reply(result, error)`` answers it on an agent thread."""
+        self.intake.answer_bgr(bgr, reply, source=source, block=block)
+
     def submit_frame(
         self, frame: ModelFrame, *, source: str, block: bool = True
     ) -> Future[FrameResult]:

@@ -87,9 +87,9 @@ class FrameSink(Protocol):
     settings: AgentSettings
     telemetry: Telemetry
 
-    def submit_bgr(
-        self, bgr: np.ndarray, *, source: str, block: bool = True
-    ) -> Future[FrameResult]: ...
+    def answer_bgr(
+        self, bgr: np.ndarray, reply: Reply, *, source: str, block: bool = True
+    ) -> None: ...
 
     def process_upload(self, body: bytes, *, source: str = "http") -> FrameResult: ...
 
@@ -262,6 +262,15 @@ class Intake:
         started = time.perf_counter()
         tensor = prepare_bgr(bgr, self.engine.input_hw)
         return self._submit(tensor, bgr, source, None, None, started, block, bgr=True)
+
+    def answer_bgr(self, bgr: np.ndarray, reply: Reply, *, source: str, block: bool = True) -> None:
+        """Queue one BGR frame as OpenCV captures it; ``reply(result, error)`` answers it
+        (as ``answer_frame`` does: no future per frame). Raises queue.Full or ModelError
+        when the frame cannot be queued at all."""
+        started = time.perf_counter()
+        tensor = prepare_bgr(bgr, self.engine.input_hw)
+        job = _Job(bgr, True, source, None, None, started, reply)
+        self.batcher.submit_job(tensor, job, block=block)
 
     def submit_frame(
         self, frame: ModelFrame, *, source: str, block: bool = True

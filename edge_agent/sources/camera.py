@@ -21,10 +21,10 @@ overlaps shrinking the one before, in arrival order.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,9 @@ class CameraReader:
         self._open = opener  # a seam: tests pass a fake capture
         self.is_file = (not live) if live is not None else Path(config.uri).is_file()
         self.max_inflight = max_inflight or max(1, agent.settings.max_batch)
+        # A file's reader waiting for room is woken once a batch's worth is answered
+        # (answers come a batch at a time), not once per answered frame.
+        self._wake_at = self.max_inflight - min(self.max_inflight, agent.settings.max_batch)
         self._lock = threading.Lock()  # guards inflight and the waiting slot
         self._room = threading.Condition(self._lock)
         self._inflight = 0
@@ -196,24 +199,23 @@ class CameraReader:
     def _submit_now(self, bgr: np.ndarray) -> None:
         # On the preparation thread: shrink, convert and queue for inference.
         try:
-            future = self.agent.submit_bgr(bgr, source=self.name)
-        except (EdgeLoopError, RuntimeError) as exc:  # stopping, or the queue is full
+            self.agent.answer_bgr(bgr, self._done_one, source=self.name)
+        except (EdgeLoopError, RuntimeError, queue.Full) as exc:  # stopping, or queue full
             self._done_one(None, exc)
-            return
-        future.add_done_callback(lambda f: self._done_one(f, None))
 
-    def _done_one(self, future: Future[FrameResult] | None, error: BaseException | None) -> None:
-        if future is not None and future.exception() is None:
+    def _done_one(self, result: FrameResult | None, error: BaseException | None) -> None:
+        if error is None:
             self.answered += 1
-        elif (error is not None or future is not None) and not self._stopping.is_set():
+        elif not self._stopping.is_set():
             # Frames still in flight when the source stops fail with the agent's stop:
             # not the camera's error, so the last one the camera had stays in status.
-            self.last_error = str(error or (future.exception() if future else ""))
+            self.last_error = str(error)
         with self._room:
             self._inflight -= 1
             waiting, self._waiting = self._waiting, None
             if waiting is not None and not self._stopping.is_set():
                 self._inflight += 1
-            self._room.notify_all()
+            if self._inflight <= self._wake_at:
+                self._room.notify_all()
         if waiting is not None and not self._stopping.is_set():
             self._submit(waiting)

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
@@ -151,13 +152,13 @@ def test_frames_are_prepared_off_the_reading_thread_in_the_order_read(
         start_sources=False,
     ) as agent:
         prepared: list[tuple[int, str]] = []
-        submit_bgr = agent.submit_bgr
+        answer_bgr = agent.answer_bgr
 
-        def recording(bgr: np.ndarray, **kwargs: object) -> object:
+        def recording(bgr: np.ndarray, reply: Any, **kwargs: object) -> None:
             prepared.append((int(bgr[0, 0, 0]), threading.current_thread().name))
-            return submit_bgr(bgr, **kwargs)  # type: ignore[arg-type]
+            answer_bgr(bgr, reply, **kwargs)  # type: ignore[arg-type]
 
-        agent.submit_bgr = recording  # type: ignore[method-assign]
+        agent.answer_bgr = recording  # type: ignore[method-assign]
         reader = CameraReader(
             CameraSource(name="cam", uri="video.avi", max_fps=1000.0, loop=False),
             agent,
