@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import math
 import queue
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -130,11 +130,13 @@ class _Frames:
         # On a decode thread: decoding releases the GIL, so several run beside inference.
         def reply(result: FrameResult | None, error: BaseException | None) -> None:
             # On an agent thread, for a whole batch in a row: the JSON is made here, off
-            # the event loop, and the outbox wakes the loop once for the lot.
+            # the event loop, and the outbox wakes the loop once for the lot. orjson: a
+            # detector's answer (a dozen boxes) in about 2 us against json's 22, with the
+            # interpreter lock held either way; a NaN would be null, never bare NaN.
             if error is None:
                 assert result is not None
                 try:
-                    outbox.put(waiter, json.dumps(result.as_dict()).encode(), None)
+                    outbox.put(waiter, _json(result.as_dict()), None)
                     return
                 except BaseException as exc:
                     error = exc
@@ -310,11 +312,16 @@ async def _post_frame(
     await _send(send, 200, data)
 
 
+def _json(body: dict[str, Any]) -> bytes:
+    """``body`` as JSON (numpy numbers as numbers; NaN and infinities as null)."""
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
 async def _send_json(
     send: Send, status: int, body: dict[str, Any], *, retry_after: int | None = None
 ) -> None:
     extra = [(b"retry-after", str(retry_after).encode())] if retry_after is not None else []
-    await _send(send, status, json.dumps(body).encode(), extra)
+    await _send(send, status, _json(body), extra)
 
 
 async def _send(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 
@@ -239,3 +240,16 @@ def test_heartbeat_is_published_retained(
     _topic, payload, qos, retain = next(m for m in publisher.messages if m[0] == agent.topic_status)
     assert retain and qos == 1
     assert b'"state":"online"' in payload
+
+
+def test_answers_are_strict_json_whatever_numbers_an_engine_gives() -> None:
+    from edge_agent.sources.http import _json
+
+    body = {"scores": [np.float32(0.25), float("nan")], "predicted": np.int64(3), "x": 1.5}
+    text = _json(body)
+    # Strict JSON (no bare NaN), numpy numbers as plain numbers.
+    assert json.loads(text, parse_constant=lambda name: pytest.fail(name)) == {
+        "scores": [0.25, None],
+        "predicted": 3,
+        "x": 1.5,
+    }
