@@ -104,7 +104,7 @@ class _Request(Generic[T, R]):
     level: int
     enqueued: float
     deadline: float | None
-    future: Future[R]
+    future: Future[R] | None  # None: queued with ``queue_many``, nobody waits on it
     taken: bool = False
 
 
@@ -159,7 +159,7 @@ class DynamicBatcher(Generic[T, R]):
                     for _order, _seq, request in heap:
                         if not request.taken:
                             request.taken = True
-                            request.future.set_exception(BatcherClosedError("batcher closed"))
+                            _fail(request, BatcherClosedError("batcher closed"))
                 self._heaps.clear()
                 self._per_shape.clear()
                 self._waiting = 0
@@ -201,9 +201,21 @@ class DynamicBatcher(Generic[T, R]):
         with self._lock:
             for item, shape, priority, order in requests:
                 self._wait_for_room()
-                futures.append(self._enqueue(item, shape, priority, order))
+                future: Future[R] = Future()
+                self._enqueue(item, shape, priority, order, future)
+                futures.append(future)
             self._lock.notify()
         return futures
+
+    def queue_many(self, requests: Sequence[tuple[T, Hashable, int, float]]) -> None:
+        """``submit_many`` without a future per request, for a ``run_batch`` that hands
+        its results on itself: a future costs a lock and a condition to make and to
+        settle, which at thousands of requests a second is a share of a core."""
+        with self._lock:
+            for item, shape, priority, order in requests:
+                self._wait_for_room()
+                self._enqueue(item, shape, priority, order, None)
+            self._lock.notify()
 
     def _wait_for_room(self) -> None:
         """Under the lock: return once one more request fits, or raise per the policy."""
@@ -232,9 +244,10 @@ class DynamicBatcher(Generic[T, R]):
         if self._closed:
             raise BatcherClosedError("the batcher is closed")
 
-    def _enqueue(self, item: T, shape: Hashable, priority: int, order: float) -> Future[R]:
+    def _enqueue(
+        self, item: T, shape: Hashable, priority: int, order: float, future: Future[R] | None
+    ) -> None:
         level = min(max(int(priority), 0), self.config.priority_levels - 1)
-        future: Future[R] = Future()
         now = self._clock()
         seq = next(self._seq)
         timeout = self.config.timeout_s
@@ -251,7 +264,6 @@ class DynamicBatcher(Generic[T, R]):
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, seq, request))
         self._waiting += 1
-        return future
 
     # --- forming batches -----------------------------------------------------
 
@@ -274,8 +286,9 @@ class DynamicBatcher(Generic[T, R]):
             _, _, request = heapq.heappop(self._deadlines)
             if not request.taken:
                 self._take(request)
-                request.future.set_exception(
-                    QueueTimeoutError(f"request waited over {self.config.timeout_s} s in queue")
+                _fail(
+                    request,
+                    QueueTimeoutError(f"request waited over {self.config.timeout_s} s in queue"),
                 )
                 self._room.notify_all()
 
@@ -368,10 +381,11 @@ class DynamicBatcher(Generic[T, R]):
             except BaseException as exc:  # a failed batch fails its requests, not the worker
                 failed = True
                 for request in batch:
-                    request.future.set_exception(exc)
+                    _fail(request, exc)
             else:
                 for request, result in zip(batch, results, strict=True):
-                    request.future.set_result(result)
+                    if request.future is not None:
+                        request.future.set_result(result)
             if self._on_batch is not None:
                 info = BatchInfo(
                     size=len(batch),
@@ -386,3 +400,8 @@ class DynamicBatcher(Generic[T, R]):
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"waiting": self._waiting, "shapes": dict(self._per_shape)}
+
+
+def _fail(request: _Request[T, R], error: BaseException) -> None:
+    if request.future is not None:
+        request.future.set_exception(error)

@@ -126,8 +126,7 @@ class VerdictStage:
 
     def submit(self, task: SampleTask) -> None:
         if self._admit(task):
-            shape, priority, order = self._request(task)
-            self.batcher.submit(task, shape=shape, priority=priority, order=order)
+            self.batcher.queue_many([(task, *self._request(task))])
 
     def submit_many(self, tasks: list[SampleTask]) -> None:
         """Queue new samples for the teacher in one hand-off to the batcher."""
@@ -135,7 +134,7 @@ class VerdictStage:
         if not admitted:
             return
         try:
-            self.batcher.submit_many([(task, *self._request(task)) for task in admitted])
+            self.batcher.queue_many([(task, *self._request(task)) for task in admitted])
         except (QueueFullError, BatcherClosedError) as exc:
             # Stored and acked already: left pending, the recovery scan queues them later.
             log.warning("teacher queue refused samples (%s); they stay pending", exc)
@@ -165,7 +164,7 @@ class VerdictStage:
         # A sample's priority runs 0 (most urgent) .. 9, the batcher's levels the other
         # way (highest first), so invert. Least sure first within a level: those are
         # the likeliest mistakes. The batch's results reach the verdict thread from
-        # _run_batch, all at once; the future stays the batcher's.
+        # _run_batch, all at once (no future per sample).
         level = self.batcher.config.priority_levels - 1 - task.priority
         return task.pixels.shape, level, task.edge.confidence
 

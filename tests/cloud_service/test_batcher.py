@@ -261,3 +261,51 @@ def test_submit_many_refuses_when_closed() -> None:
     batcher.close()
     with pytest.raises(BatcherClosedError):
         batcher.submit_many([("a", None, 0, 0.0)])
+
+
+def test_queue_many_batches_like_submit_many_with_no_future_to_settle() -> None:
+    seen: list[list[str]] = []
+    done = threading.Event()
+
+    def run(items: Sequence[str]) -> list[str]:
+        seen.append(list(items))
+        if sum(len(batch) for batch in seen) == 6:
+            done.set()
+        return [item.upper() for item in items]
+
+    clock = FakeClock()  # stands still: only full batches go until the test moves it
+    config = BatcherConfig(max_batch_size=4, max_queue_delay_s=DELAY_S, priority_levels=2)
+    with DynamicBatcher(run, config, clock=clock) as batcher:
+        assert (
+            batcher.queue_many(
+                [("a", "s", 0, 0.0), ("b", "s", 1, 0.0), ("c", "s", 0, -1.0), ("d", "s", 1, 0.0)]
+            )
+            is None
+        )
+        # A future-less request shares batches with submitted ones.
+        futures = batcher.submit_many([("e", "s", 0, 0.0)])
+        batcher.queue_many([("f", "s", 0, 0.0)])
+        clock.advance(DELAY_S)
+        assert done.wait(SAFETY_NET_S)
+        assert futures[0].result(SAFETY_NET_S) == "E"
+    # The full batch went at once, most urgent level first, then the smaller order key.
+    assert seen == [["b", "d", "c", "a"], ["e", "f"]]
+
+
+def test_a_failed_batch_of_queued_requests_leaves_the_batcher_serving() -> None:
+    calls: list[list[str]] = []
+
+    def run(items: Sequence[str]) -> list[str]:
+        calls.append(list(items))
+        if "bad" in items:
+            raise RuntimeError("teacher failed")
+        return list(items)
+
+    clock = FakeClock()
+    config = BatcherConfig(max_batch_size=1, timeout_s=DELAY_S)
+    with DynamicBatcher(run, config, clock=clock) as batcher:
+        batcher.queue_many([("bad", None, 0, 0.0)])
+        assert batcher.submit("good").result(SAFETY_NET_S) == "good"
+    assert calls == [["bad"], ["good"]]
+    with pytest.raises(BatcherClosedError):
+        batcher.queue_many([("late", None, 0, 0.0)])

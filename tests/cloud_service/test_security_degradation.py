@@ -116,11 +116,8 @@ def test_overload_sheds_audit_samples_first(make_settings, tmp_path) -> None:
         depth = 150
         config = SimpleNamespace(priority_levels=10)
 
-        def submit(self, task: SampleTask, **kwargs: Any) -> Any:
-            submitted.append(task)
-            from concurrent.futures import Future
-
-            return Future()
+        def queue_many(self, requests: list[tuple[SampleTask, Any, int, float]]) -> None:
+            submitted.extend(task for task, *_ in requests)
 
     verdicts = worker.verdicts
     real = verdicts.batcher

@@ -8,12 +8,12 @@ a batch and tells which rows were new.
 from __future__ import annotations
 
 import functools
-import json
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
+import orjson
 from sqlalchemy import insert, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
@@ -82,6 +82,10 @@ def _unnest_insert_sql(
     return sql, tuple(columns), tuple(defaults)
 
 
+# What json.dumps took as well: numpy numbers (float64 is a float) and int keys.
+_JSON = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+
+
 def _unnest_insert(
     session: Session, model: type[Base], rows: Sequence[dict[str, Any]]
 ) -> tuple[str, dict[str, list[Any]]]:
@@ -103,7 +107,11 @@ def _unnest_insert(
         if name in fixed:
             params[name] = [fixed[name]] * len(rows)
         elif json_:
-            params[name] = [None if (v := row[name]) is None else json.dumps(v) for row in rows]
+            # orjson: a few times faster than json on these small lists, per cell.
+            params[name] = [
+                None if (v := row[name]) is None else orjson.dumps(v, option=_JSON).decode()
+                for row in rows
+            ]
         else:
             params[name] = [row[name] for row in rows]
     return sql, params
