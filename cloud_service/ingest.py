@@ -245,7 +245,7 @@ class InboxBudget:
         self.waiting = 0  # threads blocked in acquire right now
         self.waits = 0  # acquires that had to wait
         self._closed = False
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())  # never taken twice by one thread
 
     def _fits(self, size: int) -> bool:
         if self.messages == 0:
@@ -287,7 +287,8 @@ class InboxBudget:
         with self._cond:
             self.messages = max(0, self.messages - messages)
             self.bytes = max(0, self.bytes - size)
-            self._cond.notify_all()
+            if self.waiting:
+                self._cond.notify_all()
 
     @property
     def closed(self) -> bool:

@@ -19,7 +19,6 @@ import queue
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -321,7 +320,17 @@ class VerdictStage:
 
 
 def _without_pixels(task: SampleTask) -> SampleTask:
-    return replace(task, pixels=_NO_PIXELS)
+    # Field by field: dataclasses.replace looks the fields up again on every call.
+    return SampleTask(
+        sample_id=task.sample_id,
+        fleet=task.fleet,
+        agent=task.agent,
+        captured_at=task.captured_at,
+        edge=task.edge,
+        priority=task.priority,
+        pixels=_NO_PIXELS,
+        edge_sample_id=task.edge_sample_id,
+    )
 
 
 _NO_PIXELS = np.zeros((0,), np.uint8)
