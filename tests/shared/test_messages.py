@@ -512,3 +512,16 @@ def test_a_batch_mixing_agents_or_of_another_schema_is_refused() -> None:
         decode_verdicts(json.dumps({**mixed, "v": 2}).encode())
     with pytest.raises(UnknownSchemaError):
         decode_verdicts(b'{"schema": "edgeloop.receipt", "v": 1}')
+
+
+def test_encoded_messages_are_the_canonical_layout_of_their_values() -> None:
+    from shared.manifest import canonical_json
+
+    # (An announcement is canonical_json itself: test_announcement_freshness verifies
+    # one end to end, signature and canonical manifest bytes included.)
+    for message in examples():
+        fields = message.model_dump(mode="json", by_alias=True, exclude_none=True)
+        encoded = encode_message(message)
+        assert json.loads(encoded) == fields
+        # Sorted keys, compact, UTF-8: the bytes canonical_json gives for these values.
+        assert encoded == canonical_json(fields)
