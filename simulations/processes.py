@@ -103,7 +103,30 @@ class ServiceProcess:
             return False
 
     def start(self) -> ServiceProcess:
-        """Launch the command and wait until it answers its health check."""
+        """Launch the command and wait until it answers its health check.
+
+        The port is free_port()'s, in the ephemeral range: between a kill and the restart
+        on the same port, a client socket of any process on the host may hold it for a
+        moment. A launch that fails to bind it is tried again until ``ready_timeout_s``.
+        """
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            logged = self.log.stat().st_size if self.log is not None and self.log.exists() else 0
+            process = self._launch()
+            with httpx.Client(timeout=1.0) as http:
+                while process.poll() is None and time.monotonic() < deadline:
+                    if self._ready(http):
+                        return self
+                    time.sleep(0.1)
+            self._end(process)
+            said = self.log.read_bytes()[logged:] if self.log is not None else b""
+            if b"address already in use" not in said or time.monotonic() >= deadline:
+                raise TransportError(
+                    f"cloud-service {self.kind} did not become ready: {self.log_tail()}"
+                )
+            time.sleep(0.5)
+
+    def _launch(self) -> subprocess.Popen[bytes]:
         if self.log is None:
             process = subprocess.Popen(self._command(), env=self.env)
         else:
@@ -113,14 +136,7 @@ class ServiceProcess:
                 )
         self.process = process
         self._launched.append(process)
-        deadline = time.monotonic() + self.ready_timeout_s
-        with httpx.Client(timeout=1.0) as http:
-            while process.poll() is None and time.monotonic() < deadline:
-                if self._ready(http):
-                    return self
-                time.sleep(0.1)
-        self._end(process)
-        raise TransportError(f"cloud-service {self.kind} did not become ready: {self.log_tail()}")
+        return process
 
     def kill(self) -> None:
         """SIGKILL the running process and reap it."""

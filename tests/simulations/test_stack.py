@@ -83,3 +83,37 @@ def test_stack_runs_every_part_and_stops_them(tmp_path: Path) -> None:
         url = stack.api_url
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{url}/healthz", timeout=2)
+
+
+def test_a_restart_waits_out_a_port_held_for_a_moment(tmp_path: Path) -> None:
+    import socket
+    import threading
+
+    stack = Stack(tmp_path, broker=None, verifier=None, name="t")
+    with stack:
+        api = stack.api_process(ready_timeout_s=120.0)
+        # Another socket holds the API's port, as a client's ephemeral port may between
+        # a kill and the restart; it lets go once a launch has failed to bind.
+        holder = socket.socket()
+        holder.bind(("127.0.0.1", api.port))
+        holder.listen()
+        refused = threading.Event()
+
+        def release() -> None:
+            while not refused.is_set():
+                log = api.log
+                said = log.read_bytes() if log is not None and log.exists() else b""
+                if b"address already in use" in said:
+                    refused.set()
+                    break
+                refused.wait(0.05)
+            holder.close()
+
+        releaser = threading.Thread(target=release)
+        releaser.start()
+        try:
+            api.start()
+        finally:
+            refused.set()
+            releaser.join(30)
+        assert httpx.get(f"{api.url}/healthz", timeout=10).status_code == 200
