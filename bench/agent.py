@@ -275,16 +275,29 @@ def _timed(fn: Callable[[], object]) -> tuple[float, float]:
     return time.perf_counter() - start, time.process_time() - cpu
 
 
-def _each_batch(infer: Callable[[int], None], starts: range, threads: int) -> None:
-    """``infer(start)`` for each batch, on ``threads`` threads as the agent infers (one:
+def _infer_all(engine: Any, batches: Iterator[np.ndarray], threads: int) -> None:
+    """Run every batch of ``batches`` on ``threads`` threads as the agent infers: one
+    thread at a time takes the next batch, the others infer theirs meanwhile (one:
     in order on this thread)."""
     if threads == 1:
-        for start in starts:
-            infer(start)
+        for batch in batches:
+            engine.run(batch)
         return
-    with concurrent.futures.ThreadPoolExecutor(threads, "raw-infer") as runners:
-        for done in runners.map(infer, starts):
-            del done
+    taking = threading.Lock()
+
+    def runner() -> None:
+        while True:
+            with taking:
+                batch = next(batches, None)
+            if batch is None:
+                return
+            engine.run(batch)
+
+    runners = [threading.Thread(target=runner, name="raw-infer") for _ in range(threads)]
+    for thread in runners:
+        thread.start()
+    for thread in runners:
+        thread.join()
 
 
 def _raw_loops(
@@ -311,11 +324,11 @@ def _raw_loops(
 
     def pipelined() -> None:
         decoded = [pool.submit(_decode, j, hw) for j in jpegs]
-
-        def infer(i: int) -> None:
-            engine.run(np.stack([f.result() for f in decoded[i : i + MAX_BATCH]]))
-
-        _each_batch(infer, range(0, len(jpegs), MAX_BATCH), layout.inference_threads)
+        batches = (
+            np.stack([f.result() for f in decoded[i : i + MAX_BATCH]])
+            for i in range(0, len(jpegs), MAX_BATCH)
+        )
+        _infer_all(engine, batches, layout.inference_threads)
 
     return {"raw_decode": pipelined, "raw_decode_serial": serial, "raw": tensors_only}
 
@@ -1020,26 +1033,7 @@ def _raw_video_loops(
 
             thread = threading.Thread(target=reader, name="raw-read")
             thread.start()
-            batches = _batches_of(prepared)
-            if layout.inference_threads == 1:
-                for batch in batches:
-                    engine.run(batch)
-            else:
-                gathering = threading.Lock()  # one thread gathers a batch, as the agent's
-
-                def runner() -> None:
-                    while True:
-                        with gathering:
-                            batch = next(batches, None)
-                        if batch is None:
-                            return
-                        engine.run(batch)
-
-                runners = [threading.Thread(target=runner) for _ in range(layout.inference_threads)]
-                for r in runners:
-                    r.start()
-                for r in runners:
-                    r.join()
+            _infer_all(engine, _batches_of(prepared), layout.inference_threads)
             thread.join()
         capture.release()
 

@@ -19,6 +19,7 @@ import queue
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -320,17 +321,7 @@ class VerdictStage:
 
 
 def _without_pixels(task: SampleTask) -> SampleTask:
-    # Field by field: dataclasses.replace looks the fields up again on every call.
-    return SampleTask(
-        sample_id=task.sample_id,
-        fleet=task.fleet,
-        agent=task.agent,
-        captured_at=task.captured_at,
-        edge=task.edge,
-        priority=task.priority,
-        pixels=_NO_PIXELS,
-        edge_sample_id=task.edge_sample_id,
-    )
+    return replace(task, pixels=_NO_PIXELS)
 
 
 _NO_PIXELS = np.zeros((0,), np.uint8)

@@ -259,9 +259,9 @@ class Intake:
         self, bgr: np.ndarray, *, source: str, block: bool = True
     ) -> Future[FrameResult]:
         """Queue one BGR frame as OpenCV captures it (resized first, then converted to RGB)."""
-        started = time.perf_counter()
-        tensor = prepare_bgr(bgr, self.engine.input_hw)
-        return self._submit(tensor, bgr, source, None, None, started, block, bgr=True)
+        outer: Future[FrameResult] = Future()
+        self.answer_bgr(bgr, _FutureReply(outer), source=source, block=block)
+        return outer
 
     def answer_bgr(self, bgr: np.ndarray, reply: Reply, *, source: str, block: bool = True) -> None:
         """Queue one BGR frame as OpenCV captures it; ``reply(result, error)`` answers it
@@ -308,11 +308,9 @@ class Intake:
         info: ImageInfo | None,
         started: float,
         block: bool,
-        *,
-        bgr: bool = False,
     ) -> Future[FrameResult]:
         outer: Future[FrameResult] = Future()
-        job = _Job(rgb, bgr, source, encoded, info, started, _FutureReply(outer))
+        job = _Job(rgb, False, source, encoded, info, started, _FutureReply(outer))
         self.batcher.submit_job(tensor, job, block=block)
         return outer
 
