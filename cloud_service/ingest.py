@@ -29,7 +29,7 @@ from cloud_service.verifier import decode_image
 from shared.decode_pool import DecodePool
 from shared.envelope import EnvelopeLimits, decode_envelope
 from shared.errors import ContractError, EdgeLoopError, StoreError
-from shared.images import check_jpeg_scans
+from shared.images import decode_cost, probe_image
 from shared.messages import AgentStatus, ModelStatus, SampleHeader, decode_message
 from shared.tasks import Answer, Task
 from shared.topics import TopicRef, Topics
@@ -168,9 +168,11 @@ def classify(
             envelope = decode_envelope(payload, limits)
             header = envelope.header
             _check_source(ref, header.fleet, header.agent)
-            check_jpeg_scans(envelope.image)  # a scan bomb is dead-lettered, never decoded
+            info = probe_image(envelope.image)
+            # One walk of the markers: a scan bomb is dead-lettered here, never decoded.
+            cost = decode_cost(envelope.image, info)
             # Past its budget in the pool: dead-lettered as image_decode_timeout.
-            pixels = decode_image(envelope.image, input_size, pool=decode_pool)
+            pixels = decode_image(envelope.image, input_size, pool=decode_pool, probed=(info, cost))
             return IngestSample(header=header, image=envelope.image, pixels=pixels)
         if ref.kind == "status":
             if not payload:

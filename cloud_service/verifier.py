@@ -36,7 +36,7 @@ from PIL import Image
 
 from shared.decode_pool import DecodePool
 from shared.errors import ImageError, ImageFormatError, ModelError
-from shared.images import ImageInfo, decode_cost, probe_image
+from shared.images import DecodeCost, ImageInfo, decode_cost, probe_image
 from shared.tasks import Answer, ClassificationTask, task_for
 
 if TYPE_CHECKING:
@@ -93,7 +93,11 @@ _REDUCED = (
 
 
 def decode_image(
-    data: bytes, size: tuple[int, int] | None, *, pool: DecodePool | None = None
+    data: bytes,
+    size: tuple[int, int] | None,
+    *,
+    pool: DecodePool | None = None,
+    probed: tuple[ImageInfo, DecodeCost] | None = None,
 ) -> np.ndarray:
     """Decode JPEG/PNG bytes to uint8 [H, W, 3] RGB, resized to ``size`` (H, W) if given.
 
@@ -104,12 +108,18 @@ def decode_image(
     says what is wrong with them. With a ``pool``, the images it isolates (progressive
     JPEGs, costly ones) are decoded in its worker processes within its time budget:
     ImageDecodeTimeoutError past it, ImageDecodeFailedError when the decoder crashes.
+    ``probed``: the image's ``probe_image`` and ``decode_cost``, when the caller has them.
     """
-    try:
-        info = probe_image(data)
-    except ImageFormatError as exc:
-        raise ImageError(f"image bytes do not decode as JPEG/PNG: {exc}") from exc
-    if pool is not None and pool.isolates(decode_cost(data, info)):
+    cost: DecodeCost | None
+    if probed is not None:
+        info, cost = probed
+    else:
+        try:
+            info = probe_image(data)
+        except ImageFormatError as exc:
+            raise ImageError(f"image bytes do not decode as JPEG/PNG: {exc}") from exc
+        cost = decode_cost(data, info) if pool is not None else None
+    if pool is not None and cost is not None and pool.isolates(cost):
         return pool.run(_decode_pixels, data, info, size)
     return _decode_pixels(data, info, size)
 

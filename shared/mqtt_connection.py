@@ -54,6 +54,7 @@ from shared.mqtt import (
     Wakeup,
     make_client,
 )
+from shared.mqtt_socket import BufferedSocket
 from shared.topics import topic_matches
 
 __all__ = ["MqttConnection"]
@@ -299,7 +300,7 @@ class MqttConnection:
         host, port = self.target.host, self.target.port
         if self._trying != "5":
             client.connect(host, port, self.keepalive_s)
-            return client
+            return _buffered(client)
         props = Properties(PacketTypes.CONNECT)
         kwargs: dict[str, Any] = {}
         if self.persistent:
@@ -310,7 +311,7 @@ class MqttConnection:
         if kwargs or self.receive_maximum is not None:
             kwargs["properties"] = props
         client.connect(host, port, self.keepalive_s, **kwargs)
-        return client
+        return _buffered(client)
 
     def _run(self) -> None:
         try:
@@ -351,35 +352,45 @@ class MqttConnection:
                 self.last_error = "no answer to MQTT v5"
                 self._abandon(client)
                 return
-            if self._connected.is_set():
-                self._write_queued(client)
             sock = client.socket()
-            if sock is None:
+            if not isinstance(sock, BufferedSocket):
                 self.last_error = "the connection closed"
                 return
-            if getattr(sock, "pending", lambda: 0)():  # TLS bytes already read and decrypted
-                readable: list[Any] = [sock]
-                writable: list[Any] = []
-            else:
-                wanted = [sock] if client.want_write() else []
-                # Work wakes the select; the timeout paces keepalive pings (loop_misc)
-                # and bounds the wait of a publish that counted on a PUBACK.
-                timeout = 0.02 if self._outbox else 1.0
-                readable, writable, _ = select.select(
-                    [sock, self._wake.reader], wanted, [], timeout
-                )
-            if self._wake.reader in readable:
-                self._wake.clear()
-            rc = mqtt.MQTT_ERR_SUCCESS
-            if sock in readable:
-                rc = client.loop_read()
-            if rc == mqtt.MQTT_ERR_SUCCESS and sock in writable:
-                rc = client.loop_write()
-            if rc == mqtt.MQTT_ERR_SUCCESS:
-                rc = client.loop_misc()
+            with sock.held():  # the acks, publishes and PUBACKs of one pass: one write
+                rc = self._pass(client, sock)
+            if self._flush_waiters:
+                with self._state:
+                    self._state.notify_all()
             if rc != mqtt.MQTT_ERR_SUCCESS:
                 self.last_error = mqtt.error_string(rc)
                 return
+
+    def _pass(self, client: mqtt.Client, sock: BufferedSocket) -> mqtt.MQTTErrorCode:
+        """One pass of the io loop: hand over what is queued, wait for the socket or a
+        wake-up (not while read bytes are pending), read, write, keep alive."""
+        if self._connected.is_set():
+            self._write_queued(client)
+        if sock.pending():  # read already: a chunk's next packets, decrypted TLS records
+            readable: list[Any] = [sock]
+            writable: list[Any] = []
+        else:
+            wanted: list[Any] = [sock] if client.want_write() or sock.unsent else []
+            # Work wakes the select; the timeout paces keepalive pings (loop_misc)
+            # and bounds the wait of a publish that counted on a PUBACK.
+            timeout = 0.02 if self._outbox else 1.0
+            watched: list[Any] = [sock, self._wake.reader]
+            readable, writable, _ = select.select(watched, wanted, [], timeout)
+        if self._wake.reader in readable:
+            self._wake.clear()
+        rc = mqtt.MQTT_ERR_SUCCESS
+        if sock in readable:
+            rc = client.loop_read()
+        if rc == mqtt.MQTT_ERR_SUCCESS and sock in writable:
+            sock.flush()
+            rc = client.loop_write()
+        if rc == mqtt.MQTT_ERR_SUCCESS:
+            rc = client.loop_misc()
+        return rc
 
     def _write_queued(self, client: mqtt.Client) -> None:
         """Hand the queued acks and publishes to paho (written at once: no paho thread)."""
@@ -412,9 +423,6 @@ class MqttConnection:
                 delivery.confirm()
             else:
                 delivery.fail(mqtt.error_string(rc))
-        if self._flush_waiters:
-            with self._state:
-                self._state.notify_all()
 
     def _attempt_failed(self, error: str) -> None:
         self.last_error = error
@@ -461,10 +469,14 @@ class MqttConnection:
                     self._write_queued(client)  # the last receipts, acks, 'offline'
                 client.disconnect()  # queued after them; paho closes the socket once written
                 deadline = time.monotonic() + _FLUSH_ON_STOP_S
-                while client.want_write() and (sock := client.socket()) is not None:
+                while (sock := client.socket()) is not None and (
+                    client.want_write() or getattr(sock, "unsent", False)
+                ):
                     remaining = deadline - time.monotonic()
                     if remaining <= 0 or not select.select([], [sock], [], remaining)[1]:
                         break
+                    if isinstance(sock, BufferedSocket):
+                        sock.flush()
                     if client.loop_write() != mqtt.MQTT_ERR_SUCCESS:
                         break
             except Exception:  # best effort on the way out
@@ -584,3 +596,13 @@ def _call(hook: Callable[[], None] | None) -> None:
             hook()
         except Exception:
             log.exception("MQTT connection hook %r failed", hook)
+
+
+def _buffered(client: mqtt.Client) -> mqtt.Client:
+    """``client`` reading and writing through a :class:`BufferedSocket` (paho keeps its
+    socket in ``_sock`` and calls only ``recv``, ``send``, ``pending``, ``fileno``,
+    ``setblocking`` and ``close`` on it)."""
+    sock = client.socket()
+    if sock is not None and not isinstance(sock, BufferedSocket):
+        client._sock = BufferedSocket(sock)
+    return client

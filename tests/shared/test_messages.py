@@ -321,6 +321,29 @@ def test_not_a_json_object(data: bytes) -> None:
         decode_any(data)
 
 
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        (b'{"schema":"edgeloop.sample","v":1,"scores":[NaN]}', "not a finite number"),
+        (b'{"schema":"edgeloop.sample","v":1,"fleet":"a\\ud800b"}', "not valid Unicode"),
+        (b"\xff\xfe{}", "not UTF-8"),
+        (b'{"schema": "edgeloop.sample", "v": 1,', "not valid JSON"),
+        (b"[1, 2]", "JSON list, not an object"),
+    ],
+)
+def test_refused_json_says_why(data: bytes, words: str) -> None:
+    with pytest.raises(MessageValidationError, match=words):
+        decode_message(data, SampleHeader)
+
+
+def test_an_integer_past_64_bits_is_refused_where_an_integer_is_due() -> None:
+    text = encode_message(sample_header()).decode()
+    data = text.replace('"predicted":1', '"predicted":' + "9" * 30).encode()
+    assert data != text.encode()
+    with pytest.raises(MessageValidationError, match="predicted"):
+        decode_message(data, SampleHeader)
+
+
 def test_deep_nesting_is_refused_cleanly() -> None:
     data = b'{"schema":"edgeloop.sample","v":1,"meta":' + b"[" * 30000 + b"]" * 30000 + b"}"
     with pytest.raises(MessageValidationError):
