@@ -84,11 +84,43 @@ def _unnest_insert_sql(
 
 # What json.dumps took as well: numpy numbers (float64 is a float) and int keys.
 _JSON = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+_NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def _array_literal(values: list[Any]) -> str | list[Any]:
+    """PostgreSQL's text form of an array of ``values`` (``{"a",NULL,1.5,t}``), or the
+    list itself when a value is of a type not written here (psycopg adapts it then).
+
+    psycopg adapts a list element by element in Python, about 10 us per row of a
+    dozen columns; one string per column, written here, costs a fraction of that.
+    Every text and timestamp is quoted, with backslashes and quotes escaped, so no
+    value can end its element early or read as NULL.
+    """
+    parts: list[str] = []
+    add = parts.append
+    for value in values:
+        kind = type(value)
+        if kind is str:
+            add('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"')
+        elif value is None:
+            add("NULL")
+        elif kind is float:
+            text = repr(value)
+            add(_NON_FINITE.get(text, text))
+        elif kind is bool:
+            add("t" if value else "f")
+        elif kind is int:
+            add(str(value))
+        elif kind is datetime:
+            add('"' + value.isoformat() + '"')
+        else:
+            return values
+    return "{" + ",".join(parts) + "}"
 
 
 def _unnest_insert(
     session: Session, model: type[Base], rows: Sequence[dict[str, Any]]
-) -> tuple[str, dict[str, list[Any]]]:
+) -> tuple[str, dict[str, str | list[Any]]]:
     """PostgreSQL: ``INSERT ... SELECT unnest(array), ...`` of ``rows`` and its parameters.
 
     One array parameter per column, whatever the number of rows: the statement's
@@ -102,18 +134,20 @@ def _unnest_insert(
         name: default.arg(None) if default.is_callable else default.arg
         for name, default in defaults
     }
-    params: dict[str, list[Any]] = {}
+    params: dict[str, str | list[Any]] = {}
     for name, json_ in columns:
         if name in fixed:
-            params[name] = [fixed[name]] * len(rows)
+            params[name] = _array_literal([fixed[name]] * len(rows))
         elif json_:
             # orjson: a few times faster than json on these small lists, per cell.
-            params[name] = [
-                None if (v := row[name]) is None else orjson.dumps(v, option=_JSON).decode()
-                for row in rows
-            ]
+            params[name] = _array_literal(
+                [
+                    None if (v := row[name]) is None else orjson.dumps(v, option=_JSON).decode()
+                    for row in rows
+                ]
+            )
         else:
-            params[name] = [row[name] for row in rows]
+            params[name] = _array_literal([row[name] for row in rows])
     return sql, params
 
 
