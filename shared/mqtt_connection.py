@@ -54,7 +54,7 @@ from shared.mqtt import (
     Wakeup,
     make_client,
 )
-from shared.mqtt_socket import BufferedSocket
+from shared.mqtt_socket import BufferedSocket, buffered
 from shared.topics import topic_matches
 
 __all__ = ["MqttConnection"]
@@ -300,7 +300,7 @@ class MqttConnection:
         host, port = self.target.host, self.target.port
         if self._trying != "5":
             client.connect(host, port, self.keepalive_s)
-            return _buffered(client)
+            return buffered(client)
         props = Properties(PacketTypes.CONNECT)
         kwargs: dict[str, Any] = {}
         if self.persistent:
@@ -311,7 +311,7 @@ class MqttConnection:
         if kwargs or self.receive_maximum is not None:
             kwargs["properties"] = props
         client.connect(host, port, self.keepalive_s, **kwargs)
-        return _buffered(client)
+        return buffered(client)
 
     def _run(self) -> None:
         try:
@@ -596,13 +596,3 @@ def _call(hook: Callable[[], None] | None) -> None:
             hook()
         except Exception:
             log.exception("MQTT connection hook %r failed", hook)
-
-
-def _buffered(client: mqtt.Client) -> mqtt.Client:
-    """``client`` reading and writing through a :class:`BufferedSocket` (paho keeps its
-    socket in ``_sock`` and calls only ``recv``, ``send``, ``pending``, ``fileno``,
-    ``setblocking`` and ``close`` on it)."""
-    sock = client.socket()
-    if sock is not None and not isinstance(sock, BufferedSocket):
-        client._sock = BufferedSocket(sock)
-    return client

@@ -25,7 +25,9 @@ import ssl
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["READ_CHUNK", "BufferedSocket"]
+import paho.mqtt.client as mqtt
+
+__all__ = ["READ_CHUNK", "BufferedSocket", "buffered"]
 
 READ_CHUNK = 256 * 1024  # bytes asked of the kernel per read
 
@@ -134,3 +136,13 @@ class BufferedSocket:
 
     def __getattr__(self, name: str) -> Any:  # setblocking, setsockopt, getpeername...
         return getattr(self._sock, name)
+
+
+def buffered(client: mqtt.Client) -> mqtt.Client:
+    """``client``, connected, reading and writing through a :class:`BufferedSocket`
+    (paho keeps its socket in ``_sock`` and calls only ``recv``, ``send``,
+    ``pending``, ``fileno``, ``setblocking`` and ``close`` on it)."""
+    sock = client.socket()
+    if sock is not None and not isinstance(sock, BufferedSocket):
+        client._sock = BufferedSocket(sock)
+    return client
