@@ -110,7 +110,7 @@ def decode_image(
     ImageDecodeTimeoutError past it, ImageDecodeFailedError when the decoder crashes.
     ``probed``: the image's ``probe_image`` and ``decode_cost``, when the caller has them.
     """
-    cost: DecodeCost | None
+    cost: DecodeCost | None = None
     if probed is not None:
         info, cost = probed
     else:
@@ -118,8 +118,7 @@ def decode_image(
             info = probe_image(data)
         except ImageFormatError as exc:
             raise ImageError(f"image bytes do not decode as JPEG/PNG: {exc}") from exc
-        cost = decode_cost(data, info) if pool is not None else None
-    if pool is not None and cost is not None and pool.isolates(cost):
+    if pool is not None and pool.isolates(cost or decode_cost(data, info)):
         return pool.run(_decode_pixels, data, info, size)
     return _decode_pixels(data, info, size)
 

@@ -374,6 +374,7 @@ class MqttConnection:
             readable: list[Any] = [sock]
             writable: list[Any] = []
         else:
+            # What _write_queued just gathered counts as unsent: the select returns at once.
             wanted: list[Any] = [sock] if client.want_write() or sock.unsent else []
             # Work wakes the select; the timeout paces keepalive pings (loop_misc)
             # and bounds the wait of a publish that counted on a PUBACK.
@@ -469,14 +470,13 @@ class MqttConnection:
                     self._write_queued(client)  # the last receipts, acks, 'offline'
                 client.disconnect()  # queued after them; paho closes the socket once written
                 deadline = time.monotonic() + _FLUSH_ON_STOP_S
-                while (sock := client.socket()) is not None and (
-                    client.want_write() or getattr(sock, "unsent", False)
+                while isinstance(sock := client.socket(), BufferedSocket) and (
+                    client.want_write() or sock.unsent
                 ):
                     remaining = deadline - time.monotonic()
                     if remaining <= 0 or not select.select([], [sock], [], remaining)[1]:
                         break
-                    if isinstance(sock, BufferedSocket):
-                        sock.flush()
+                    sock.flush()
                     if client.loop_write() != mqtt.MQTT_ERR_SUCCESS:
                         break
             except Exception:  # best effort on the way out
