@@ -367,7 +367,7 @@ class MqttConnection:
 
     def _pass(self, client: mqtt.Client, sock: BufferedSocket) -> mqtt.MQTTErrorCode:
         """One pass of the io loop: hand over what is queued, wait for the socket or a
-        wake-up (not while read bytes are pending), read, write, keep alive."""
+        wake-up (not while read bytes are pending), write, read, keep alive."""
         if self._connected.is_set():
             self._write_queued(client)
         if sock.pending():  # read already: a chunk's next packets, decrypted TLS records
@@ -384,11 +384,11 @@ class MqttConnection:
         if self._wake.reader in readable:
             self._wake.clear()
         rc = mqtt.MQTT_ERR_SUCCESS
-        if sock in readable:
-            rc = client.loop_read()
-        if rc == mqtt.MQTT_ERR_SUCCESS and sock in writable:
+        if sock in writable:  # before reading: a handler may wait (the verifier's inbox)
             sock.flush()
             rc = client.loop_write()
+        if rc == mqtt.MQTT_ERR_SUCCESS and sock in readable:
+            rc = client.loop_read()
         if rc == mqtt.MQTT_ERR_SUCCESS:
             rc = client.loop_misc()
         return rc
