@@ -24,7 +24,8 @@ from edge_agent.engine import Engine
 from edge_agent.imaging import DecodedImage, encode_for_upload
 from edge_agent.routing import Decision
 from edge_agent.settings import AgentSettings
-from edge_agent.spool import NewSample, Spool, SpoolWriter
+from edge_agent.spool import NewSample, Spool
+from edge_agent.spool_writer import SpoolWriter
 from edge_agent.telemetry import Telemetry
 from edge_agent.uplink import Publisher
 from shared.envelope import encode_envelope

@@ -1,6 +1,8 @@
 """The disk spool in front of MQTT: a forwarded sample lives here until its receipt.
 
-SQLite in WAL mode, one row per sample (the whole envelope as a blob). A sample is
+SQLite in WAL mode, one row per sample; its envelope is appended to a segment file
+of the payload log beside it (``edge_agent.payload_log``: one system call for a
+transaction's envelopes, no payload bytes through SQLite's pages). A sample is
 deleted only by ``ack`` (the cloud's receipt for its id), never by a broker PUBACK;
 ``due`` hands out samples never sent or sent longer ago than the resend timeout,
 and ``reset_sent`` makes everything due again after a reconnect. Bounded by bytes
@@ -9,25 +11,25 @@ of the rest; each eviction is counted by kind.
 
 Writes come in batches, one transaction each: ``write`` stores a micro-batch of
 forwarded samples (``put_many``), marks what was published as sent and deletes what
-was receipted, all in one transaction; ``SpoolWriter`` gathers the forward path's
-samples into such batches. A batch is exactly the same as the single writes in its
-order: the same rows, evictions, counters and return values, and all of it or none
-is committed.
+was receipted, all in one transaction; ``edge_agent.spool_writer.SpoolWriter``
+gathers the forward path's samples into such batches. A batch is exactly the same as
+the single writes in its order: the same rows, evictions, counters and return
+values, and all of it or none is committed.
 
 Pages are 4 KiB, SQLite's default, chosen by measurement (``python -m bench.spool``,
 in ``make bench``): the forward path writes each inference batch's forwarded samples
 in one transaction, so most transactions hold one or two samples, and every page a
 transaction touches (the row's, the two indexes', the counters') goes to the WAL
-whole. Per sample, with the receipt and verdict that follow it, larger pages cost
-about as much CPU or more and write more bytes (``docs/performance.md``, spool);
-4 KiB pages write the least, and bytes written are what wears an SD card. Large
-pages pay off only for transactions of many samples, which the agent makes only when
-it forwards most frames. An existing spool keeps its page size. Deletes do not zero the pages
-they free (``connect``): with zeroing, a receipt wrote the sample's payload again.
+whole; larger pages cost as much CPU or more and write more bytes
+(``docs/performance.md``, spool), and bytes written are what wears an SD card. An
+existing spool keeps its page size. Deletes do not zero the pages they free
+(``connect``): a spool written before the payload log holds envelopes in its rows,
+and with zeroing a receipt wrote such a payload again.
 
-Durability: WAL with synchronous=NORMAL, so a committed sample survives a crash of
-the agent process; a power cut may lose the last commits (FULL would fsync each
-one, too slow for SD cards).
+Durability: WAL with synchronous=NORMAL and unsynced appends to the payload log, so
+a committed sample survives a crash of the agent process; a power cut may lose the
+last commits (FULL would fsync each one, too slow for SD cards), and a row whose
+payload it lost is dropped when read (counted ``lost``).
 
 Thread-safe: one connection guarded by a lock (SQLite writes serialise anyway).
 """
@@ -38,14 +40,12 @@ import contextlib
 import logging
 import sqlite3
 import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
+from edge_agent.payload_log import SEGMENT_BYTES, PayloadLog, Placement, SegmentChanges
 from shared.errors import StoreError
-from shared.lifecycle import Workers
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,8 @@ __all__ = [
     "NewSample",
     "Spool",
     "SpoolStats",
-    "SpoolWriter",
     "SpooledSample",
     "WriteResult",
-    "WriterUplink",
     "connect",
 ]
 
@@ -72,11 +70,17 @@ CREATE TABLE IF NOT EXISTS samples (
     size INTEGER NOT NULL,
     sent_at REAL,
     attempts INTEGER NOT NULL DEFAULT 0,
-    payload BLOB NOT NULL
+    payload BLOB NOT NULL,
+    segment INTEGER,
+    at INTEGER,
+    crc INTEGER
 );
 CREATE INDEX IF NOT EXISTS samples_due ON samples (sent_at, priority, seq);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
+# Where a payload lives in the payload log (``edge_agent.payload_log``); a row without
+# a segment holds its payload itself (written by an agent before the log existed).
+_PLACEMENT_COLUMNS = ("segment", "at", "crc")
 
 
 def connect(path: Path, *, page_size: int, timeout: float = 5.0) -> sqlite3.Connection:
@@ -134,11 +138,14 @@ class SpoolStats:
     acked: int
     stored: int
     refused: int
+    lost: int = 0  # committed, but its payload was missing or damaged when read (power cut)
 
 
 class Spool:
     """``Spool(path, max_bytes=..., max_samples=...)``; ``close()`` when done.
 
+    The rows live in the SQLite file at ``path``, the payloads in the segment files of
+    ``payload_folder`` beside it (``<stem>-payloads``, ``segment_bytes`` each at most).
     ``page_size`` applies to a new file only (an existing one keeps its pages).
     """
 
@@ -149,17 +156,30 @@ class Spool:
         max_bytes: int = 256 << 20,
         max_samples: int = 100_000,
         page_size: int = PAGE_SIZE,
+        segment_bytes: int = SEGMENT_BYTES,
     ) -> None:
         self.path = Path(path)
         self.max_bytes = max_bytes
         self.max_samples = max_samples
         self._lock = threading.Lock()
+        self.payload_folder = self.path.with_name(f"{self.path.stem}-payloads")
+        self._payloads = PayloadLog(self.payload_folder, segment_bytes=segment_bytes)
         try:
             # Only a new file takes the page size (see the module docstring); an existing
             # spool keeps its own.
             self._db = connect(self.path, page_size=page_size)
             self._db.executescript(_SCHEMA)
-        except sqlite3.Error as exc:
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(samples)")}
+            for column in _PLACEMENT_COLUMNS:
+                if column not in columns:  # a spool from before the payload log
+                    self._db.execute(f"ALTER TABLE samples ADD COLUMN {column} INTEGER")
+            self._payloads.open(
+                self._db.execute(
+                    "SELECT segment, COUNT(*), SUM(size) FROM samples"
+                    " WHERE segment IS NOT NULL GROUP BY segment"
+                )
+            )
+        except (sqlite3.Error, OSError) as exc:
             raise StoreError(f"cannot open the spool at {self.path}: {exc}") from exc
         self._bytes, self._depth = self._db.execute(
             "SELECT COALESCE(SUM(size), 0), COUNT(*) FROM samples"
@@ -168,6 +188,7 @@ class Spool:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            self._payloads.close()
 
     # --- counters (persisted, so they survive restarts like the samples do) ----------
 
@@ -222,20 +243,37 @@ class Spool:
         counts = {"stored": 0, "refused": 0, "evicted_audit": 0, "evicted_oldest": 0}
         removed, freed = 0, 0
         sent_at, attempts = (now, 1) if published else (None, 0)
+        changes = SegmentChanges()
         with self._lock:
             depth, total = self._depth, self._bytes
+            fitting = [sample for sample in samples if len(sample.payload) <= self.max_bytes]
+            log = self._payloads
+            try:
+                # Payloads first, in one system call; the rows that point at them commit
+                # after (a crash in between leaves bytes no row refers to).
+                compact = log.rotate_for(sum(len(sample.payload) for sample in fitting))
+                appended_from = log.end
+                places = iter(log.append([sample.payload for sample in fitting]))
+            except OSError as exc:
+                raise StoreError(f"spool write failed: {exc}") from exc
             try:
                 self._db.execute("BEGIN IMMEDIATE")
+                if compact is not None:
+                    lost, lost_bytes = self._compact(compact, changes)
+                    depth, total = depth - lost, total - lost_bytes
+                    counts["lost"] = lost
                 for sample in samples:
                     size = len(sample.payload)
                     if size > self.max_bytes:
                         counts["refused"] += 1
                         stored.append(False)
                         continue
-                    depth, total = self._make_room(size, depth, total, counts)
+                    place = next(places)
+                    depth, total = self._make_room(size, depth, total, counts, changes)
                     cursor = self._db.execute(
                         "INSERT OR IGNORE INTO samples (sample_id, created_at, priority, audit,"
-                        " size, sent_at, attempts, payload) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        " size, sent_at, attempts, payload, segment, at, crc)"
+                        " VALUES (?, ?, ?, ?, ?, ?, ?, x'', ?, ?, ?)",
                         (
                             sample.sample_id,
                             now,
@@ -244,13 +282,16 @@ class Spool:
                             size,
                             sent_at,
                             attempts,
-                            sample.payload,
+                            place.segment,
+                            place.offset,
+                            place.crc,
                         ),
                     )
                     if cursor.rowcount == 1:  # 0: the id is already spooled
                         counts["stored"] += 1
                         depth += 1
                         total += size
+                        changes.add(place.segment, size)
                     stored.append(True)
                 for chunk in _chunks(sent_ids):
                     marks = ",".join("?" * len(chunk))
@@ -261,15 +302,18 @@ class Spool:
                     )
                 for chunk in _chunks(acked_ids):
                     marks = ",".join("?" * len(chunk))
-                    row = self._db.execute(
-                        "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM samples"
-                        f" WHERE sample_id IN ({marks})",
+                    rows = self._db.execute(
+                        "SELECT segment, COUNT(*), SUM(size) FROM samples"
+                        f" WHERE sample_id IN ({marks}) GROUP BY segment",
                         chunk,
-                    ).fetchone()
-                    if row[0]:
+                    ).fetchall()
+                    if rows:
                         self._db.execute(f"DELETE FROM samples WHERE sample_id IN ({marks})", chunk)
-                    removed += int(row[0])
-                    freed += int(row[1])
+                    for segment, count, size in rows:
+                        removed += int(count)
+                        freed += int(size)
+                        if segment is not None:
+                            changes.remove(segment, int(size), int(count))
                 if acked_ids:
                     counts["acked"] = removed
                 for name, by in counts.items():
@@ -278,24 +322,54 @@ class Spool:
                 self._db.execute("COMMIT")
             except sqlite3.Error as exc:
                 self._rollback()
+                log.undo(appended_from)
                 raise StoreError(f"spool write failed: {exc}") from exc
+            log.commit(changes)
             self._depth, self._bytes = depth - removed, total - freed
         return WriteResult(stored, removed)
 
     def _make_room(
-        self, size: int, depth: int, total: int, counts: dict[str, int]
+        self, size: int, depth: int, total: int, counts: dict[str, int], changes: SegmentChanges
     ) -> tuple[int, int]:
         while depth and (total + size > self.max_bytes or depth + 1 > self.max_samples):
             row = self._db.execute(
-                "SELECT seq, size, audit FROM samples ORDER BY audit DESC, seq ASC LIMIT 1"
+                "SELECT seq, size, audit, segment FROM samples ORDER BY audit DESC, seq ASC LIMIT 1"
             ).fetchone()
             if row is None:
                 break
             self._db.execute("DELETE FROM samples WHERE seq = ?", (row[0],))
             counts["evicted_audit" if row[2] else "evicted_oldest"] += 1
+            if row[3] is not None:
+                changes.remove(row[3], row[1])
             total -= row[1]
             depth -= 1
         return depth, total
+
+    def _compact(self, segment: int, changes: SegmentChanges) -> tuple[int, int]:
+        """Move the payloads still in ``segment`` to the current one (its other bytes
+        are receipted samples), so the old file can go; inside the caller's transaction.
+        Rows whose payload cannot be read are deleted: (how many, their bytes)."""
+        rows = self._db.execute(
+            "SELECT seq, size, at, crc FROM samples WHERE segment = ? ORDER BY seq", (segment,)
+        ).fetchall()
+        log = self._payloads
+        moving = [(seq, log.read(Placement(segment, at, size, crc))) for seq, size, at, crc in rows]
+        kept = [(seq, payload) for seq, payload in moving if payload is not None]
+        places = log.append([payload for _, payload in kept])
+        self._db.executemany(
+            "UPDATE samples SET segment = ?, at = ? WHERE seq = ?",
+            [
+                (place.segment, place.offset, seq)
+                for (seq, _), place in zip(kept, places, strict=True)
+            ],
+        )
+        for place in places:
+            changes.add(place.segment, place.size)
+        changes.remove(segment, sum(size for _, size, _, _ in rows), len(rows))
+        lost = [seq for seq, payload in moving if payload is None]
+        self._db.executemany("DELETE FROM samples WHERE seq = ?", [(seq,) for seq in lost])
+        size_of = {seq: size for seq, size, _, _ in rows}
+        return len(lost), sum(size_of[seq] for seq in lost)
 
     def _rollback(self) -> None:
         with contextlib.suppress(sqlite3.Error):
@@ -315,14 +389,50 @@ class Spool:
     # --- sending -------------------------------------------------------------------
 
     def due(self, *, now: float, resend_after_s: float, limit: int = 100) -> list[SpooledSample]:
-        """Samples to (re)publish: never sent, or sent over ``resend_after_s`` ago; urgent first."""
+        """Samples to (re)publish: never sent, or sent over ``resend_after_s`` ago; urgent first.
+
+        A sample whose payload is missing or damaged (a power cut before it reached
+        the disk) is deleted and counted as ``lost`` instead."""
+        due: list[SpooledSample] = []
+        lost: list[tuple[int, int, int | None]] = []
         with self._lock:
             rows = self._db.execute(
-                "SELECT sample_id, payload, priority, attempts FROM samples"
-                " WHERE sent_at IS NULL OR sent_at <= ? ORDER BY priority, seq LIMIT ?",
+                "SELECT seq, sample_id, payload, priority, attempts, size, segment, at, crc"
+                " FROM samples WHERE sent_at IS NULL OR sent_at <= ?"
+                " ORDER BY priority, seq LIMIT ?",
                 (now - resend_after_s, limit),
             ).fetchall()
-        return [SpooledSample(r[0], bytes(r[1]), r[2], r[3]) for r in rows]
+            for seq, sample_id, inline, priority, attempts, size, segment, at, crc in rows:
+                if segment is None:
+                    payload: bytes | None = bytes(inline)
+                else:
+                    payload = self._payloads.read(Placement(segment, at, size, crc))
+                if payload is None:
+                    lost.append((seq, size, segment))
+                else:
+                    due.append(SpooledSample(sample_id, payload, priority, attempts))
+            if lost:
+                self._forget(lost)
+        return due
+
+    def _forget(self, lost: list[tuple[int, int, int | None]]) -> None:
+        """Delete rows whose payload is gone (seq, size, segment); counted as ``lost``."""
+        changes = SegmentChanges()
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.executemany("DELETE FROM samples WHERE seq = ?", [(r[0],) for r in lost])
+            self._bump("lost", len(lost))
+            self._db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self._rollback()
+            raise StoreError(f"spool write failed: {exc}") from exc
+        for _, size, segment in lost:
+            if segment is not None:
+                changes.remove(segment, size)
+        self._payloads.commit(changes)
+        log.warning("dropped %d spooled samples whose payloads were lost", len(lost))
+        self._depth -= len(lost)
+        self._bytes -= sum(size for _, size, _ in lost)
 
     def mark_sent(self, sample_ids: Iterable[str], *, now: float) -> None:
         """Mark samples as published at ``now`` (one transaction for the lot)."""
@@ -357,147 +467,8 @@ class Spool:
                 acked=self._counter("acked"),
                 stored=self._counter("stored"),
                 refused=self._counter("refused"),
+                lost=self._counter("lost"),
             )
-
-
-StoredCallback = Callable[[bool, BaseException | None], None]
-
-
-class WriterUplink(Protocol):
-    """How a ``SpoolWriter`` hands fresh samples straight to the link."""
-
-    def begin(self) -> tuple[bool, list[str]]:
-        """Before a batch's transaction: (publish it right after the commit?, receipts to
-        apply in the same transaction)."""
-        ...
-
-    def end(
-        self, published: bool, samples: list[NewSample], acked: list[str], removed: int | None
-    ) -> None:
-        """After the batch is answered: publish ``samples`` when ``published``; ``removed``
-        is how many of ``acked`` were deleted, None when the transaction failed."""
-        ...
-
-
-class SpoolWriter:
-    """Group commit for the forward path: samples from any thread, one transaction a batch.
-
-    ``writer.submit(sample, done)`` queues a sample; the ``spool-writer`` thread stores
-    what has gathered (waiting up to ``window_s`` after the first, or until
-    ``max_batch`` are queued, or until ``expecting()`` says no more are on their way
-    and ``nudge`` is called) in one transaction and then calls ``done(stored, error)``
-    for each, in order: so whatever ``done`` tells a caller happens only once the
-    sample is committed. With an ``uplink``, a batch is published right after its
-    commit (stored as sent, so the pump does not read it back) and receipts held
-    meanwhile are applied in the same transaction. After ``stop`` (which stores what is
-    still queued first), ``submit`` stores on the caller's thread.
-    """
-
-    def __init__(
-        self,
-        spool: Spool,
-        *,
-        clock: Callable[[], float],
-        window_s: float,
-        max_batch: int = 64,
-        uplink: WriterUplink | None = None,
-        expecting: Callable[[], bool] | None = None,
-    ) -> None:
-        self.spool = spool
-        self.uplink = uplink
-        # Whether more samples may come for this batch (frames still being routed);
-        # None: always gather for the whole window.
-        self._expecting = expecting
-        self.clock = clock
-        self.window_s = window_s
-        self.max_batch = max(1, max_batch)
-        self._cond = threading.Condition()
-        self._queue: list[tuple[NewSample, StoredCallback]] = []
-        self._stopping = False
-        self.workers = Workers("spool")  # thread spool-writer
-        self.commits = 0
-        self.samples = 0
-
-    def start(self) -> SpoolWriter:
-        self.workers.spawn("writer", self._run)
-        return self
-
-    def submit(self, sample: NewSample, done: StoredCallback) -> None:
-        with self._cond:
-            if not self._stopping:
-                self._queue.append((sample, done))
-                if len(self._queue) == 1 or len(self._queue) >= self.max_batch:
-                    self._cond.notify()
-                return
-        self._store([(sample, done)])
-
-    def nudge(self) -> None:
-        """Wake the writer to look again at ``expecting`` (nothing more is on its way)."""
-        if not self._queue:  # nothing gathering (a stale read only delays to the window)
-            return
-        with self._cond:
-            self._cond.notify()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        self.workers.stop(timeout)
-        with self._cond:
-            left, self._queue = self._queue, []
-        self._store(left)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                # Gather the rest of the micro-batch (its other forwarded frames are
-                # being routed right now) before paying for a transaction; commit at
-                # once when nothing else is on its way.
-                deadline = time.monotonic() + self.window_s
-                expecting = self._expecting
-                while len(self._queue) < self.max_batch and not self._stopping:
-                    if expecting is not None and not expecting():
-                        break
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        break
-                    self._cond.wait(remaining)
-                batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
-            self._store(batch)
-
-    def _store(self, batch: list[tuple[NewSample, StoredCallback]]) -> None:
-        if not batch:
-            return
-        samples = [sample for sample, _ in batch]
-        publish, acked = self.uplink.begin() if self.uplink is not None else (False, [])
-        removed: int | None = None
-        fresh: list[NewSample] = []
-        try:
-            result = self.spool.write(samples, now=self.clock(), published=publish, acked=acked)
-        except StoreError as exc:
-            outcomes: list[tuple[bool, BaseException | None]] = [(False, exc)] * len(batch)
-        else:
-            self.commits += 1
-            self.samples += len(batch)
-            removed = result.removed
-            outcomes = [(stored, None) for stored in result.stored]
-            fresh = [
-                sample for sample, stored in zip(samples, result.stored, strict=True) if stored
-            ]
-        for (_, done), (stored, error) in zip(batch, outcomes, strict=True):
-            try:
-                done(stored, error)
-            except Exception:  # one caller's bug must not stop the writer
-                log.exception("a spool-writer callback failed")
-        if self.uplink is not None:
-            try:
-                self.uplink.end(publish, fresh, acked, removed)
-            except Exception:
-                log.exception("publishing freshly spooled samples failed")
 
 
 def _chunks(ids: list[str], size: int = 500) -> Iterable[list[str]]:

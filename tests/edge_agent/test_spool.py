@@ -174,7 +174,8 @@ def test_samples_stored_as_published_wait_for_the_resend_timeout(tmp_path: Path)
 def test_spool_writer_answers_after_the_commit_and_batches(tmp_path: Path) -> None:
     import threading
 
-    from edge_agent.spool import NewSample, SpoolWriter
+    from edge_agent.spool import NewSample
+    from edge_agent.spool_writer import SpoolWriter
 
     spool = Spool(tmp_path / "spool.db")
     writer = SpoolWriter(spool, clock=lambda: 1.0, window_s=0.05, max_batch=8).start()
