@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from edge_agent.settings import AgentSettings
 from edge_agent.spool import connect
 from edge_agent.telemetry import Telemetry
@@ -112,7 +114,9 @@ class VerdictStore:
         self, sample_id: str, verdict: dict[str, Any], result: dict[str, Any] | None, now: float
     ) -> None:
         """Queue (or replace) the verdict for ``sample_id``; the writer stores it shortly."""
-        row = (now, json.dumps(verdict), json.dumps(result) if result is not None else None)
+        # orjson: a tenth of the json module's time, on the MQTT thread for every verdict.
+        result_json = orjson.dumps(result).decode() if result is not None else None
+        row = (now, orjson.dumps(verdict).decode(), result_json)
         with self._queue:
             if self._closed:
                 raise StoreError(f"the verdict store is closed; {sample_id} not stored")
