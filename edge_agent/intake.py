@@ -1,11 +1,12 @@
 """Frames in, answers out: decoding, micro-batching, routing, the answer for each frame.
 
 Every source (the HTTP API, cameras, folders) hands frames to one
-:class:`MicroBatcher` (``inference-loop``); each inferred batch is routed at once on
+:class:`MicroBatcher` (``inference-loop``); each inferred batch is routed at once, on
+its inference thread when there are several (``inference_threads``), else on
 ``agent-post`` (one hand-over per batch). Confident frames are answered there and
-then; a forwarded frame is encoded and spooled by :class:`Forwarding` and answered
-once its sample is committed. Sources see only :class:`FrameSink`, the part of the
-agent they send frames to.
+then; a forwarded frame is encoded and spooled by :class:`Forwarding` on
+``agent-post`` and answered once its sample is committed. Sources see only
+:class:`FrameSink`, the part of the agent they send frames to.
 """
 
 from __future__ import annotations
@@ -163,6 +164,10 @@ def _fail_all(jobs: list[_Job], error: BaseException) -> None:
             log.exception("a frame's reply failed")
 
 
+# A forwarded frame on its way to the spool: its job, output row, decision, sample id.
+_Forwarded = tuple["_Job", np.ndarray, Decision, str]
+
+
 class Intake:
     """Decodes, batches, infers and routes frames; answers each one (see module doc)."""
 
@@ -317,22 +322,31 @@ class Intake:
     # --- answers out -----------------------------------------------------------------
 
     def _on_batch(self, batch: JobBatch) -> None:
-        # On the inference thread: hand the batch over, so the next one starts at once.
+        # On an inference thread. With several of them, this one routes and answers its
+        # own batch while another infers (a hand-over per batch cost more CPU than the
+        # routing: `make bench`, agent); with one, the batch is handed over, so the next
+        # one starts at once. Forwarded frames are encoded and spooled on agent-post
+        # either way.
         jobs: list[_Job] = batch.jobs
         if batch.error is not None:
             _fail_all(jobs, batch.error)
             return
         self.forwarding.expect(len(jobs))
+        if self.settings.inference_threads > 1:
+            self._finish_batch(batch, on_inference_thread=True)
+            return
         try:
             self._post.submit(self._finish_batch, batch)
         except RuntimeError as exc:  # the pool is shut down: the agent is stopping
             self.forwarding.routed(len(jobs))
             _fail_all(jobs, exc)
 
-    def _finish_batch(self, batch: JobBatch) -> None:
+    def _finish_batch(self, batch: JobBatch, *, on_inference_thread: bool = False) -> None:
         """Route one inferred batch and answer it: confident frames at once, forwarded
-        ones once their samples are spooled (encoded after the others are answered)."""
+        ones once their samples are spooled (encoded after the others are answered; on
+        agent-post when this runs on an inference thread)."""
         jobs: list[_Job] = batch.jobs
+        handed_over = 0  # forwarded frames agent-post routes on (and counts)
         try:
             scores = batch.scores
             assert scores is not None  # a failed batch is answered on the inference thread
@@ -344,7 +358,7 @@ class Intake:
                 return
             self.telemetry.batch_size.observe(batch.size)
             answered: list[tuple[_Job, FrameResult]] = []
-            forwarded: list[tuple[_Job, np.ndarray, Decision, str]] = []
+            forwarded: list[_Forwarded] = []
             for job, row, decision in zip(jobs, scores, decisions, strict=True):
                 if decision.over_budget:
                     self.telemetry.over_budget.inc()
@@ -358,10 +372,25 @@ class Intake:
                 except BaseException as exc:
                     job.reply(None, exc)
             self._deliver(answered)
+            if forwarded and on_inference_thread:
+                try:
+                    self._post.submit(self._forward_all, forwarded, batch)
+                    handed_over = len(forwarded)
+                    return
+                except RuntimeError:  # the pool is shut down: the agent is stopping
+                    pass
             for job, row, decision, sample_id in forwarded:
                 self._forward(job, row, batch, decision, sample_id)
         finally:
-            self.forwarding.routed(len(jobs))
+            self.forwarding.routed(len(jobs) - handed_over)
+
+    def _forward_all(self, forwarded: list[_Forwarded], batch: JobBatch) -> None:
+        """``_forward`` each of a batch's forwarded frames (on agent-post)."""
+        try:
+            for job, row, decision, sample_id in forwarded:
+                self._forward(job, row, batch, decision, sample_id)
+        finally:
+            self.forwarding.routed(len(forwarded))
 
     def _forward(
         self, job: _Job, row: np.ndarray, batch: JobBatch, decision: Decision, sample_id: str

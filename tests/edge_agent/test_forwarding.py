@@ -21,11 +21,22 @@ def frames(n: int, size: tuple[int, int] = (40, 40)) -> list[np.ndarray]:
     return [rng.integers(0, 255, (*size, 3), dtype=np.uint8) for _ in range(n)]
 
 
+# One inference thread hands each batch to agent-post to be routed; several route their
+# own batches and hand agent-post only the forwarded frames.
+@pytest.mark.parametrize("inference_threads", [1, 2])
 def test_a_forwarded_answer_means_the_sample_is_spooled(
-    make_settings: Callable[..., AgentSettings], engine: object, until: Callable[..., bool]
+    make_settings: Callable[..., AgentSettings],
+    engine: object,
+    until: Callable[..., bool],
+    inference_threads: int,
 ) -> None:
     publisher = MemoryPublisher(connected=False)
-    settings = make_settings(route_max_prob_below=1.01, max_batch=8, max_wait_ms=5.0)
+    settings = make_settings(
+        route_max_prob_below=1.01,
+        max_batch=8,
+        max_wait_ms=5.0,
+        inference_threads=inference_threads,
+    )
     with Agent(settings, engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
         spooled_at_answer: dict[str, bool] = {}
 
@@ -46,11 +57,15 @@ def test_a_forwarded_answer_means_the_sample_is_spooled(
         assert writer.commits < 32  # gathered into micro-batches, one transaction each
 
 
+@pytest.mark.parametrize("inference_threads", [1, 2])
 def test_fresh_samples_are_published_once_and_receipted(
-    make_settings: Callable[..., AgentSettings], engine: object, until: Callable[..., bool]
+    make_settings: Callable[..., AgentSettings],
+    engine: object,
+    until: Callable[..., bool],
+    inference_threads: int,
 ) -> None:
     publisher = MemoryPublisher(auto_receipt=True)
-    settings = make_settings(route_max_prob_below=1.01)
+    settings = make_settings(route_max_prob_below=1.01, inference_threads=inference_threads)
     with Agent(settings, engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
         # The pump found the spool empty.
         assert until(lambda: not agent.forwarding.uplink_backlogged)
@@ -127,3 +142,19 @@ def test_a_bgr_frame_gets_the_same_answer_and_upload_as_its_rgb(
         payloads = {s.sample_id: s.payload for s in agent.spool.due(now=1e12, resend_after_s=1)}
         images = [decode_envelope(payloads[r.sample_id]).image for r in (by_rgb, by_bgr)]
         assert images[0] == images[1]
+
+
+def test_a_batch_of_confident_and_forwarded_frames_routed_on_its_inference_thread(
+    make_settings: Callable[..., AgentSettings], engine: object, until: Callable[..., bool]
+) -> None:
+    """With two inference threads a batch is routed where it was inferred; its forwarded
+    frames go to agent-post, and every frame of it counts as routed once spooled."""
+    settings = make_settings(audit_share=0.5, max_batch=8, inference_threads=2)
+    publisher = MemoryPublisher(connected=False)
+    with Agent(settings, engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
+        futures = [agent.submit(frame, source="test") for frame in frames(64)]
+        results = [f.result(10) for f in futures]
+        forwarded = {r.sample_id for r in results if r.forwarded}
+        assert 0 < len(forwarded) < 64  # both kinds in the same batches
+        assert forwarded == set(agent.spool.ids())
+        assert until(lambda: agent.forwarding._routing == 0)
