@@ -10,8 +10,9 @@ thread, the agent's ``inference_threads``):
 * raw ORT on the same JPEG frames (camera-like 320x240 frames; for the detector,
   scenes of the scenario it was trained on, at its input size, which it forwards
   at the rate a deployed detector would), decoding with the agent's own
-  ``decode_for_model`` on as many threads as the agent decodes with, overlapping
-  inference (the goal's baseline); for information, the same decode on one thread,
+  ``decode_for_model`` on as many threads as the agent decodes with, and OpenCV's
+  own threads as the agent sets them (``opencv_threads``), overlapping inference
+  (the goal's baseline); for information, the same decode on one thread,
   and the session alone on frames decoded beforehand (the ceiling);
 * the agent behind its HTTP API: ``edge-agent run`` in a subprocess, driven by a
   one-thread load generator in another process over keep-alive connections, so
@@ -1200,7 +1201,12 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
     http_rows: list[list[Any]] = []
     video_rows: list[list[Any]] = []
     thread_rows: list[list[Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    from edge_agent.imaging import OpenCvThreads
+    from edge_agent.settings import AgentSettings
+
+    # The raw loops run in this process: OpenCV's threads as the agent runs with them.
+    opencv = OpenCvThreads(AgentSettings.model_fields["opencv_threads"].default)
+    with tempfile.TemporaryDirectory() as tmp, opencv:
         workdir = Path(tmp)
         for index, (label, model) in enumerate(_models(workdir)):
             if only and only not in label:

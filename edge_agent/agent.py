@@ -50,7 +50,7 @@ import numpy as np
 
 from edge_agent.engine import Engine, EngineOptions, OrtEngine
 from edge_agent.forwarding import Forwarding
-from edge_agent.imaging import DecodedImage, ModelFrame
+from edge_agent.imaging import DecodedImage, ModelFrame, OpenCvThreads
 from edge_agent.intake import FrameResult, FrameSource, Intake, Reply
 from edge_agent.settings import AgentSettings
 from edge_agent.sources.camera import CameraReader
@@ -141,6 +141,7 @@ class Agent:
         self.ready = False
         self.started_at = time.monotonic()
         self._switch_interval = SwitchInterval(settings.switch_interval_ms)
+        self._opencv_threads = OpenCvThreads(settings.opencv_threads)
         # Progressive and costly uploads decode in these processes, within a budget;
         # created by start(), its workers on the first such image.
         self.decode_pool: DecodePool | None = None
@@ -209,6 +210,7 @@ class Agent:
         # The HTTP event loop and the MQTT thread give the GIL up on every socket call,
         # the decoders on every decode; a shorter interval hands it back to them sooner.
         self._switch_interval.apply()
+        self._opencv_threads.apply()
         if self.start_sources:
             self._start_sources()
         self.ready = True
@@ -250,6 +252,7 @@ class Agent:
         if self.decode_pool is not None:
             self.decode_pool.close()
         self._switch_interval.restore()
+        self._opencv_threads.restore()
 
     def health(self) -> dict[str, object]:
         """Each part's threads: alive, iterations, errors and the last error, by part."""

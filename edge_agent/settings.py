@@ -137,6 +137,13 @@ class AgentSettings(EdgeLoopSettings):
         le=100.0,
         description="CPython's thread switch interval while the agent runs; 0: unchanged",
     )
+    opencv_threads: int = Field(
+        default=1,
+        ge=0,
+        le=256,
+        description="OpenCV's own threads inside one decode or resize while the agent runs"
+        " (it decodes on several threads of its own); 0: OpenCV's default, one per core",
+    )
 
     # Model updates (edge_agent/updates/).
     models_keep: int = Field(

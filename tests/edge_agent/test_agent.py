@@ -28,3 +28,26 @@ def test_a_zero_switch_interval_leaves_the_process_alone(
     with Agent(settings, engine=engine, publisher=MemoryPublisher()):  # type: ignore[arg-type]
         assert sys.getswitchinterval() == pytest.approx(own_switch_interval)
     assert sys.getswitchinterval() == pytest.approx(own_switch_interval)
+
+
+@pytest.mark.parametrize("opencv_threads", [1, 3])
+def test_opencvs_threads_are_the_agents_while_it_runs(
+    make_settings: Callable[..., AgentSettings], engine: object, opencv_threads: int
+) -> None:
+    import cv2
+
+    own = cv2.getNumThreads()
+    settings = make_settings(opencv_threads=opencv_threads)
+    with Agent(settings, engine=engine, publisher=MemoryPublisher()):  # type: ignore[arg-type]
+        assert cv2.getNumThreads() == opencv_threads
+    assert cv2.getNumThreads() == own
+
+
+def test_zero_opencv_threads_leave_opencvs_own(
+    make_settings: Callable[..., AgentSettings], engine: object
+) -> None:
+    import cv2
+
+    own = cv2.getNumThreads()
+    with Agent(make_settings(opencv_threads=0), engine=engine, publisher=MemoryPublisher()):  # type: ignore[arg-type]
+        assert cv2.getNumThreads() == own
