@@ -12,7 +12,9 @@ stored in the verdict store's own file (4 KiB pages). Envelopes of 23 KB (a 320x
 frame at the agent's upload quality, as the agent bench forwards) and 46 KB (a
 larger frame). Measured for each spool page size on fresh files, with the agent's own
 ``Spool`` and ``VerdictStore``; CPU is this process's, bytes are what it wrote
-(``wchar``: WAL and checkpoints included). The spool uses ``PAGE_SIZE``.
+(``wchar``: the envelopes appended to the payload log, the rows' WAL and checkpoints
+included). The envelopes are in the payload log's segment files, not in SQLite's
+pages, so the page size moves only the rows' share. The spool uses ``PAGE_SIZE``.
 """
 
 from __future__ import annotations
