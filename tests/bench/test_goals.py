@@ -130,3 +130,24 @@ def test_only_refreshes_its_sections_and_keeps_the_rest_marked(
     assert not any(name.startswith("agent ") for name in history[-1]["goals"])
     markdown = (tmp_path / "latest.md").read_text()
     assert "Not run this time: from the run of 2026-12-01T10:00:00+00:00." in markdown
+
+
+def test_the_cost_per_forwarded_sample_at_default_routing_is_told_where_the_share_allows() -> None:
+    sections = _sections(overhead=0.4, http_ratio=0.9)
+    student = sections["agent"]["figures"]["tiny-student 224px"]
+    # Behind HTTP a sixth forwarded: 0.2 ms a frame more than the twin that forwards none.
+    student.update(
+        agent_cpu_ms_per_frame=2.4, http_unforwarded_cpu_ms_per_frame=2.2, http_forward_rate=1 / 6
+    )
+    # On video one frame in a hundred: the difference is the host's noise, not told.
+    student.update(
+        video_cpu_ms_per_frame=3.1, video_unforwarded_cpu_ms_per_frame=3.09, video_forward_rate=0.01
+    )
+    goals = _by_name(goal_summary(sections))
+    name = (
+        "agent CPU ms per forwarded sample at its default routing, {} (tiny-student 224px, 224px)"
+    )
+    http = goals[name.format("HTTP")]
+    assert (http["measured"], http["target"], http["status"]) == (1.2, "info", "reported")
+    video = goals[name.format("video")]
+    assert (video["measured"], video["status"]) == ("-", "forwards 1.0%, too few to tell")
