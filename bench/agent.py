@@ -1201,11 +1201,11 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
     http_rows: list[list[Any]] = []
     video_rows: list[list[Any]] = []
     thread_rows: list[list[Any]] = []
-    from edge_agent.imaging import OpenCvThreads
+    from edge_agent.imaging import opencv_threads
     from edge_agent.settings import AgentSettings
 
     # The raw loops run in this process: OpenCV's threads as the agent runs with them.
-    opencv = OpenCvThreads(AgentSettings.model_fields["opencv_threads"].default)
+    opencv = opencv_threads(AgentSettings.model_fields["opencv_threads"].default)
     with tempfile.TemporaryDirectory() as tmp, opencv:
         workdir = Path(tmp)
         for index, (label, model) in enumerate(_models(workdir)):

@@ -71,7 +71,7 @@ from cloud_service.verifier import TeacherModel, decode_image
 from cloud_service.worker import VerifierWorker
 from shared.envelope import EnvelopeLimits, decode_envelope, encode_envelope
 from shared.ids import new_sample_id
-from shared.interpreter import SwitchInterval
+from shared.interpreter import switch_interval
 from shared.mqtt import MqttTarget, make_client, negotiate_protocol
 from shared.topics import Topics
 from simulations.stack import Stack
@@ -659,7 +659,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     # The batcher serves inside the verifier, which runs CPython's switch interval at
     # verifier_switch_interval_ms: the batcher and the raw session are timed under it.
     switch_ms = CloudSettings.model_fields["verifier_switch_interval_ms"].default
-    with SwitchInterval(switch_ms), batcher_32, batcher_1:
+    with switch_interval(switch_ms), batcher_32, batcher_1:
         rates = _interleaved_throughput(
             {
                 "batched": batched_pass,

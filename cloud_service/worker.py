@@ -40,7 +40,7 @@ from cloud_service.verifier_ingest import IngestStage
 from cloud_service.verifier_recovery import MalformedGuard, Recovery
 from cloud_service.verifier_transport import VerifierTransport
 from shared.decode_pool import DecodePool
-from shared.interpreter import SwitchInterval
+from shared.interpreter import switch_interval
 from shared.mqtt import ProtocolName
 
 __all__ = ["VerifierWorker", "batcher_config"]
@@ -128,7 +128,7 @@ class VerifierWorker:
             decode_pool=self.decode_pool,
             verdicts=self.verdicts,
         )
-        self._switch_interval = SwitchInterval(settings.verifier_switch_interval_ms)
+        self._switch_interval = switch_interval(settings.verifier_switch_interval_ms)
         self._stopped = False
         self._stop_lock = threading.Lock()
 

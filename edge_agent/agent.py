@@ -50,7 +50,7 @@ import numpy as np
 
 from edge_agent.engine import Engine, EngineOptions, OrtEngine
 from edge_agent.forwarding import Forwarding
-from edge_agent.imaging import DecodedImage, ModelFrame, OpenCvThreads
+from edge_agent.imaging import DecodedImage, ModelFrame, opencv_threads
 from edge_agent.intake import FrameResult, FrameSource, Intake, Reply
 from edge_agent.settings import AgentSettings
 from edge_agent.sources.camera import CameraReader
@@ -63,7 +63,7 @@ from edge_agent.verdicts import VerdictKeeper, VerdictStore
 from shared.decode_pool import DecodePool
 from shared.errors import EdgeLoopError, MessageError
 from shared.images import ImageInfo
-from shared.interpreter import SwitchInterval
+from shared.interpreter import switch_interval
 from shared.lifecycle import WorkerHealth
 from shared.messages import Receipt, decode_message, decode_verdicts
 
@@ -140,8 +140,8 @@ class Agent:
         self._sources: list[FrameSource] = []
         self.ready = False
         self.started_at = time.monotonic()
-        self._switch_interval = SwitchInterval(settings.switch_interval_ms)
-        self._opencv_threads = OpenCvThreads(settings.opencv_threads)
+        self._switch_interval = switch_interval(settings.switch_interval_ms)
+        self._opencv_threads = opencv_threads(settings.opencv_threads)
         # Progressive and costly uploads decode in these processes, within a budget;
         # created by start(), its workers on the first such image.
         self.decode_pool: DecodePool | None = None

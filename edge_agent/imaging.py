@@ -37,17 +37,18 @@ from shared.errors import (
     JpegScanLimitError,
 )
 from shared.images import DecodeCost, ImageInfo, decode_cost, probe_image
+from shared.interpreter import ProcessSetting
 
 __all__ = [
     "ACCEPTED",
     "DecodedImage",
     "ImageRejected",
     "ModelFrame",
-    "OpenCvThreads",
     "check_upload",
     "decode_for_model",
     "decode_image",
     "encode_for_upload",
+    "opencv_threads",
     "prepare_bgr",
     "reduction_flag",
     "resize_for_model",
@@ -57,10 +58,9 @@ ACCEPTED = "a JPEG or PNG image as the request body (Content-Type image/jpeg or 
 ACCEPTED_CONTENT_TYPES = ("image/jpeg", "image/png")
 
 
-class OpenCvThreads:
-    """OpenCV's own threads inside one call (a colour conversion, a resize), set for as
-    long as the agent runs: ``apply()`` sets ``count`` (0: leave OpenCV's default, one
-    per core), ``restore()`` puts the process's own back.
+def opencv_threads(count: int) -> ProcessSetting[int]:
+    """OpenCV's own threads inside one call (a colour conversion, a resize) at ``count``
+    while applied, as the agent runs (0: OpenCV's default, one per core, left alone).
 
     The agent decodes and prepares frames on threads of its own, one per core; OpenCV
     splitting each call over its pool as well only adds hand-offs. Measured on the
@@ -68,27 +68,7 @@ class OpenCvThreads:
     thread took 59-62 us of CPU per frame, and the agent 2.11-2.14 ms per frame with
     one thread against 2.31-2.51 with OpenCV's default, where two pairs of three agreed.
     """
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self._saved: int | None = None
-
-    def apply(self) -> None:
-        if self.count and self._saved is None:
-            self._saved = cv2.getNumThreads()
-            cv2.setNumThreads(self.count)
-
-    def restore(self) -> None:
-        if self._saved is not None:
-            cv2.setNumThreads(self._saved)
-            self._saved = None
-
-    def __enter__(self) -> OpenCvThreads:
-        self.apply()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.restore()
+    return ProcessSetting(count, read=cv2.getNumThreads, write=cv2.setNumThreads)
 
 
 class ImageRejected(ImageError):

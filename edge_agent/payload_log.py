@@ -94,10 +94,7 @@ class PayloadLog:
         for segment, rows, size in live:
             if rows > 0:
                 self.rows[segment], self.bytes[segment] = rows, size
-        on_disk = []
-        for path in self.folder.glob(f"*{_SUFFIX}"):
-            with contextlib.suppress(ValueError):
-                on_disk.append(int(path.name.removesuffix(_SUFFIX)))
+        on_disk = self._on_disk()
         for segment in on_disk:
             if segment not in self.rows:
                 self._remove(segment)
@@ -225,10 +222,10 @@ class PayloadLog:
             return None
         return data
 
-    def segments(self) -> list[int]:
-        """The segment files on disk, oldest first."""
+    def _on_disk(self) -> list[int]:
+        """The segment files in the folder."""
         found = []
         for path in self.folder.glob(f"*{_SUFFIX}"):
             with contextlib.suppress(ValueError):
                 found.append(int(path.name.removesuffix(_SUFFIX)))
-        return sorted(found)
+        return found

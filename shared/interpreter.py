@@ -1,39 +1,55 @@
-"""CPython's thread switch interval, set for as long as a service runs.
+"""Process-wide settings a service holds while it runs, given back when it stops.
 
-The agent and the verifier each run threads that give the interpreter lock up for a
-moment (a socket call, an image decode, an ONNX Runtime run, a SQLite statement)
-and must win it back from threads running Python. CPython makes such a thread wait
-up to its switch interval, 5 ms by default, before it asks for the lock.
+``ProcessSetting`` saves the process's own value, sets the service's, and puts the
+saved one back. Two are in use:
+
+- ``switch_interval``: CPython's thread switch interval. The agent and the verifier
+  each run threads that give the interpreter lock up for a moment (a socket call, an
+  image decode, an ONNX Runtime run, a SQLite statement) and must win it back from
+  threads running Python. CPython makes such a thread wait up to its switch
+  interval, 5 ms by default, before it asks for the lock.
+- OpenCV's thread count (``edge_agent.imaging.opencv_threads``).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
-__all__ = ["SwitchInterval"]
+__all__ = ["ProcessSetting", "switch_interval"]
+
+T = TypeVar("T")
 
 
-class SwitchInterval:
-    """``apply()`` sets the interval to ``ms`` (0: leave it); ``restore()`` puts the
-    process's own back. Also a context manager. Applying twice keeps the first saved."""
+class ProcessSetting(Generic[T]):
+    """``apply()`` sets ``value`` through ``write`` (a falsy value leaves the process's
+    own), saving what ``read`` gives first; ``restore()`` writes the saved value back.
+    Also a context manager. Applying twice keeps the first saved."""
 
-    def __init__(self, ms: float) -> None:
-        self.ms = ms
-        self._saved: float | None = None
+    def __init__(self, value: T, *, read: Callable[[], T], write: Callable[[T], object]) -> None:
+        self.value = value
+        self._read, self._write = read, write
+        self._saved: T | None = None
 
     def apply(self) -> None:
-        if self.ms and self._saved is None:
-            self._saved = sys.getswitchinterval()
-            sys.setswitchinterval(self.ms / 1000)
+        if self.value and self._saved is None:
+            self._saved = self._read()
+            self._write(self.value)
 
     def restore(self) -> None:
         if self._saved is not None:
-            sys.setswitchinterval(self._saved)
+            self._write(self._saved)
             self._saved = None
 
-    def __enter__(self) -> SwitchInterval:
+    def __enter__(self) -> ProcessSetting[T]:
         self.apply()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
+
+
+def switch_interval(ms: float) -> ProcessSetting[float]:
+    """CPython's switch interval at ``ms`` milliseconds while applied (0: left alone)."""
+    return ProcessSetting(ms / 1000, read=sys.getswitchinterval, write=sys.setswitchinterval)
