@@ -161,7 +161,8 @@ class MicroBatcher:
     """``with MicroBatcher(engine, max_batch=8, max_wait_s=0.005) as b: b.submit(frame)``.
 
     ``on_batch`` receives the jobs queued with ``submit_job``, one call per batch,
-    on the inference thread: it should hand them over, not do the work itself.
+    on the inference thread: whatever it does there delays that thread's next batch
+    (with one thread, hand the work over; with several, another infers meanwhile).
     ``clock`` (seconds, monotonic) times ``max_wait_s`` and the queue's ``timeout``.
     """
 
