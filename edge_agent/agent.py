@@ -13,7 +13,7 @@ Their named background threads:
                       inference thread, it also routes each inferred batch at once
                       (one hand-over per batch) and answers its confident frames,
                       which several inference threads do for their own batches
-- ``spool-writer``    (:mod:`edge_agent.forwarding`) stores forwarded samples a
+- ``spool-writer``    (:mod:`edge_agent.spool_writer`) stores forwarded samples a
                       micro-batch at a time (one transaction); a forwarded frame is
                       answered once its sample is committed, and the batch is published
                       right after, while the link keeps up

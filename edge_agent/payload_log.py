@@ -119,10 +119,6 @@ class PayloadLog:
     # --- writing -------------------------------------------------------------------
 
     @property
-    def current(self) -> int:
-        return self._current
-
-    @property
     def end(self) -> int:
         """Bytes appended to the current segment."""
         return self._end

@@ -247,13 +247,13 @@ class Spool:
         with self._lock:
             depth, total = self._depth, self._bytes
             fitting = [sample for sample in samples if len(sample.payload) <= self.max_bytes]
-            log = self._payloads
+            payloads = self._payloads
             try:
                 # Payloads first, in one system call; the rows that point at them commit
                 # after (a crash in between leaves bytes no row refers to).
-                compact = log.rotate_for(sum(len(sample.payload) for sample in fitting))
-                appended_from = log.end
-                places = iter(log.append([sample.payload for sample in fitting]))
+                compact = payloads.rotate_for(sum(len(sample.payload) for sample in fitting))
+                appended_from = payloads.end
+                places = iter(payloads.append([sample.payload for sample in fitting]))
             except OSError as exc:
                 raise StoreError(f"spool write failed: {exc}") from exc
             try:
@@ -320,11 +320,11 @@ class Spool:
                     if by or name == "acked":
                         self._bump(name, by)
                 self._db.execute("COMMIT")
-            except sqlite3.Error as exc:
+            except (sqlite3.Error, OSError) as exc:  # OSError: compacting ran out of disk
                 self._rollback()
-                log.undo(appended_from)
+                payloads.undo(appended_from)
                 raise StoreError(f"spool write failed: {exc}") from exc
-            log.commit(changes)
+            payloads.commit(changes)
             self._depth, self._bytes = depth - removed, total - freed
         return WriteResult(stored, removed)
 
@@ -352,10 +352,12 @@ class Spool:
         rows = self._db.execute(
             "SELECT seq, size, at, crc FROM samples WHERE segment = ? ORDER BY seq", (segment,)
         ).fetchall()
-        log = self._payloads
-        moving = [(seq, log.read(Placement(segment, at, size, crc))) for seq, size, at, crc in rows]
+        payloads = self._payloads
+        moving = [
+            (seq, payloads.read(Placement(segment, at, size, crc))) for seq, size, at, crc in rows
+        ]
         kept = [(seq, payload) for seq, payload in moving if payload is not None]
-        places = log.append([payload for _, payload in kept])
+        places = payloads.append([payload for _, payload in kept])
         self._db.executemany(
             "UPDATE samples SET segment = ?, at = ? WHERE seq = ?",
             [

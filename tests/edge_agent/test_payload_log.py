@@ -168,3 +168,31 @@ def test_a_full_disk_is_a_store_error_and_loses_nothing_stored(
     assert due(spool) == {sid: payload(int(sid[1:])) for sid in ids}
     assert spool.stats().depth == 2
     spool.close()
+
+
+def test_running_out_of_disk_while_compacting_is_a_store_error_and_the_spool_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    spool = Spool(tmp_path / "spool.db", segment_bytes=10_000)
+    ids = fill(spool, range(20))
+    spool.ack([sid for sid in ids[:10] if sid != "s00003"])  # segment 1 is due for compaction
+    calls = 0
+    pwritev = os.pwritev
+
+    def full_on_the_move(*args: object) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the new sample went in; moving segment 1's payload does not
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return pwritev(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "pwritev", full_on_the_move)
+    with pytest.raises(StoreError, match="No space left"):
+        spool.put("more", payload(99), priority=5, audit=False, now=2.0)
+    monkeypatch.undo()
+    assert set(due(spool)) == {"s00003", *ids[10:]}  # nothing stored, nothing lost
+    fill(spool, range(20, 21))  # the transaction was rolled back: the next one commits
+    assert set(due(spool)) == {"s00003", *ids[10:], "s00020"}
+    spool.close()
