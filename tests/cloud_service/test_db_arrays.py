@@ -47,17 +47,42 @@ def _read_back(database_url: str, values: list[Any], kind: str) -> list[Any]:
 @on_postgres
 def test_text_reads_back_exactly(database_url: str) -> None:
     assert _read_back(database_url, HOSTILE_TEXT, "TEXT") == HOSTILE_TEXT
+    # Without a NULL, a column of text is joined in one pass: the same values come back.
+    without_null = [value for value in HOSTILE_TEXT if value is not None]
+    assert _read_back(database_url, without_null, "TEXT") == without_null
+    plain = ["cam-1", "", "NULL", "a b"]
+    assert _read_back(database_url, plain, "TEXT") == plain
+
+
+def test_one_pass_and_per_value_literals_are_the_same() -> None:
+    from cloud_service.db.crud.ingest import _mixed_array_literal
+
+    stamp = datetime(2026, 12, 6, 12, 0, 0, 123456, tzinfo=UTC)
+    for column in (
+        [value for value in HOSTILE_TEXT if value is not None],
+        [0.0, -0.0, 1.5, 1e-300, math.inf, -math.inf, math.nan],
+        [0, -1, 2**62],
+        [True, False],
+        [stamp, stamp + timedelta(seconds=1)],
+        [],
+    ):
+        assert _array_literal(column) == _mixed_array_literal(column), column
 
 
 @on_postgres
 def test_numbers_and_booleans_read_back(database_url: str) -> None:
     floats = [0.0, -0.0, 1.5, 1e-300, 1.7976931348623157e308, 0.1 + 0.2, None]
     assert _read_back(database_url, floats, "DOUBLE PRECISION") == floats
+    assert _read_back(database_url, floats[:-1], "DOUBLE PRECISION") == floats[:-1]
     special = _read_back(database_url, [math.inf, -math.inf, math.nan], "DOUBLE PRECISION")
     assert special[:2] == [math.inf, -math.inf] and math.isnan(special[2])
     ints = [0, -1, 2**62, None]
     assert _read_back(database_url, ints, "BIGINT") == ints
     assert _read_back(database_url, [True, False, None], "BOOLEAN") == [True, False, None]
+    assert _read_back(database_url, [7, 0], "BIGINT") == [7, 0]
+    assert _read_back(database_url, [False, True], "BOOLEAN") == [False, True]
+    nonfinite = _read_back(database_url, [1.0, math.inf, math.nan], "DOUBLE PRECISION")
+    assert nonfinite[:2] == [1.0, math.inf] and math.isnan(nonfinite[2])
 
 
 @on_postgres
@@ -68,6 +93,7 @@ def test_timestamps_read_back_as_the_same_instant(database_url: str) -> None:
         None,
     ]
     assert _read_back(database_url, stamps, "TIMESTAMPTZ") == stamps
+    assert _read_back(database_url, stamps[:-1], "TIMESTAMPTZ") == stamps[:-1]
 
 
 def test_a_value_of_another_type_leaves_the_list_to_psycopg() -> None:
