@@ -91,6 +91,17 @@ _REDUCED = (
     (2, cv2.IMREAD_REDUCED_COLOR_2),
 )
 
+# OpenCV 4.10 and later decode to RGB themselves (libjpeg writes RGB): no conversion
+# after, which in a loaded verifier cost a wait for the interpreter lock of its own.
+_RGB_DECODE: int | None = getattr(cv2, "IMREAD_COLOR_RGB", None)
+
+
+def _rgb(flag: int) -> int:
+    """``flag`` (a colour ``IMREAD_*``) decoding to RGB where OpenCV can; else as it is."""
+    if _RGB_DECODE is None:
+        return flag
+    return (flag & ~cv2.IMREAD_COLOR) | _RGB_DECODE
+
 
 def decode_image(
     data: bytes,
@@ -131,8 +142,13 @@ def _decode_pixels(data: bytes, info: ImageInfo, size: tuple[int, int] | None) -
     # libjpeg through OpenCV fills a truncated JPEG with grey and says nothing; one
     # that does not end with its EOI marker goes through Pillow, which refuses it.
     complete = info.format != "jpeg" or data.endswith(b"\xff\xd9")
-    bgr = cv2.imdecode(np.frombuffer(data, np.uint8), flag) if complete else None
-    rgb = _decode_with_pillow(data) if bgr is None else cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+    decoded = cv2.imdecode(np.frombuffer(data, np.uint8), _rgb(flag)) if complete else None
+    if decoded is None:
+        rgb = _decode_with_pillow(data)
+    elif _RGB_DECODE:
+        rgb = decoded
+    else:
+        rgb = cv2.cvtColor(decoded, cv2.COLOR_BGR2RGB)
     if size is not None and rgb.shape[:2] != size:
         shrinking = rgb.shape[0] > size[0] or rgb.shape[1] > size[1]
         interpolation = cv2.INTER_AREA if shrinking else cv2.INTER_LINEAR

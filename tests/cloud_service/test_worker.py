@@ -238,6 +238,41 @@ def test_decode_image_scales_to_the_teacher_input(
     assert decode_image(data, None).shape == (*source, 3)
 
 
+@pytest.mark.parametrize("kind", ["jpeg", "png-gray", "png-alpha"])
+@pytest.mark.parametrize("size", [(64, 64), None])
+def test_decode_image_gives_the_pixels_of_a_bgr_decode_converted(
+    kind: str, size: tuple[int, int] | None
+) -> None:
+    """Where OpenCV decodes to RGB itself, the pixels are those of its BGR decode
+    converted (the path of an OpenCV without it), at full and at reduced scale."""
+    import io
+
+    import cv2
+    import numpy as np
+    from PIL import Image
+
+    from cloud_service.verifier import _reduced_flag, decode_image
+    from shared.images import probe_image
+
+    if kind == "jpeg":
+        data = _smooth_jpeg(208, 208)
+    else:
+        rng = np.random.default_rng(3)
+        mode, channels = ("L", ()) if kind == "png-gray" else ("RGBA", (4,))
+        pixels = rng.integers(0, 255, (208, 208, *channels), dtype=np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels, mode).save(buffer, format="PNG")
+        data = buffer.getvalue()
+    flag = cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION
+    if size is not None:
+        flag = _reduced_flag(probe_image(data), size)
+    bgr = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
+    want = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+    if size is not None:
+        want = cv2.resize(want, size[::-1], interpolation=cv2.INTER_AREA)
+    assert np.array_equal(decode_image(data, size), want)
+
+
 def test_decode_image_refuses_a_truncated_jpeg_and_garbage() -> None:
     from cloud_service.verifier import decode_image
     from shared.errors import ImageError
