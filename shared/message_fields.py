@@ -59,10 +59,13 @@ def _no_control_chars(value: str) -> str:
     return value
 
 
+_SCORE_FORMAT = f"%.{SCORE_DIGITS}g"
+
+
 def _round_scores(values: list[float]) -> list[float]:
     """Round each to SCORE_DIGITS significant digits (the shortest JSON form of that
     value); one validator call for a whole list of scores, not one per element."""
-    rounded = [float(f"{value:.{SCORE_DIGITS}g}") for value in values]
+    rounded = [float(_SCORE_FORMAT % value) for value in values]
     if not all(map(math.isfinite, rounded)):  # 1.7977e308 rounds up to infinity
         raise ValueError("value is too large")
     return rounded

@@ -6,6 +6,8 @@
   socket. Without it a paho subscriber's small PUBACKs are held back by Nagle's
   algorithm and QoS 1 throughput collapses (see docs/architecture.md, "Delivery is
   end to end").
+  An MQTT v5 client reads packets without properties cheaply
+  (``shared.mqtt_properties``).
 - ``negotiate_protocol`` asks the broker for MQTT v5 and falls back to 3.1.1 when
   the broker refuses it (amqtt, older brokers), on a probe connection of its own.
 - ``Subscription``, ``Received``, ``Delivery`` and ``Backoff`` are what a process's
@@ -29,6 +31,7 @@ from urllib.parse import unquote, urlsplit
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
+from shared import mqtt_properties
 from shared.errors import ConfigError, TransportError
 
 __all__ = [
@@ -235,6 +238,8 @@ def make_client(
     receiver acknowledge a QoS 1 message only once it is durably stored.
     """
     version = MQTTProtocolVersion.MQTTv5 if protocol == "5" else MQTTProtocolVersion.MQTTv311
+    if version == MQTTProtocolVersion.MQTTv5:
+        mqtt_properties.install()  # paho's v5 properties, cheap to read (see that module)
     kwargs: dict[str, Any] = {
         "client_id": client_id,
         "protocol": version,
