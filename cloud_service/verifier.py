@@ -152,7 +152,10 @@ def _decode_pixels(data: bytes, info: ImageInfo, size: tuple[int, int] | None) -
     if size is not None and rgb.shape[:2] != size:
         shrinking = rgb.shape[0] > size[0] or rgb.shape[1] > size[1]
         interpolation = cv2.INTER_AREA if shrinking else cv2.INTER_LINEAR
-        rgb = cv2.resize(rgb, (size[1], size[0]), interpolation=interpolation)
+        # The output array is made here: one OpenCV allocates goes through numpy, which
+        # takes the interpreter lock in the middle of the call (a wait, under load).
+        out = np.empty((*size, 3), np.uint8)
+        rgb = cv2.resize(rgb, (size[1], size[0]), dst=out, interpolation=interpolation)
     return np.ascontiguousarray(rgb, dtype=np.uint8)
 
 
