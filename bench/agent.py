@@ -885,8 +885,8 @@ def _cloud_main(
 
 # The agent's threads by name (numbers dropped), in the order of a frame's path.
 AGENT_THREADS = (
-    ("camera-video", "camera reader (reads, decodes)"),
-    ("camera-video-prepare", "preparation (shrinks, RGB)"),
+    ("camera-video", "camera reader (reads; decodes a stream not read as JPEGs)"),
+    ("camera-video-prepare", "preparation (decodes a JPEG at the model's size; shrinks, RGB)"),
     ("inference-loop", "inference loop (batches, ORT)"),
     ("native", "ORT and OpenCV worker threads"),
     ("agent-post", "routing and answers (and a forwarded frame's JPEG and envelope)"),
@@ -983,24 +983,38 @@ def _raw_video_loops(
     """Raw ORT on ``n`` frames of the same video, with the agent's frame preparation.
 
     ``raw_video`` (the goal's baseline) is laid out as the agent's camera source is:
-    one thread reads, one prepares (shrinks the BGR frame, then converts it to RGB at
-    the model's size), and the calling thread runs batches, so reading, preparing and
-    inference overlap; at most ``2 * MAX_BATCH`` frames are read ahead.
-    ``raw_video_serial`` (for information) does the same work one step after another
-    on one thread.
+    one thread reads, one prepares, and the calling thread runs batches, so reading,
+    preparing and inference overlap; at most ``2 * MAX_BATCH`` frames are read ahead.
+    It reads the clip as the camera source does: a Motion JPEG clip (the bench's) as
+    its JPEGs, each decoded at the model's size as an upload is, any other decoded by
+    OpenCV and prepared from BGR. ``raw_video_serial`` (for information) does the same
+    work one step after another on one thread.
     """
     from edge_agent.imaging import prepare_bgr
-    from edge_agent.sources.camera import read_frame
+    from edge_agent.sources.camera import jpeg_packets, read_frame, read_jpeg
 
     engine = _engine(model, layout)
     hw = engine.input_hw
 
-    def prepare(bgr: np.ndarray) -> np.ndarray:
-        return prepare_bgr(bgr, hw)
+    def prepare(frame: np.ndarray | bytes) -> np.ndarray:
+        if isinstance(frame, bytes):
+            return _decode(frame, hw)
+        return prepare_bgr(frame, hw)
 
     last: list[np.ndarray | None] = [None]
 
-    def read(capture: cv2.VideoCapture) -> np.ndarray:
+    def open_clip() -> tuple[cv2.VideoCapture, bool]:
+        capture = cv2.VideoCapture(str(video))
+        return capture, jpeg_packets(capture)
+
+    def read(capture: cv2.VideoCapture, jpeg: bool) -> np.ndarray | bytes:
+        if jpeg:
+            data = read_jpeg(capture)
+            if data is None:
+                capture.set(cv2.CAP_PROP_POS_FRAMES, 0)
+                data = read_jpeg(capture)
+            assert data is not None
+            return data
         # As the agent's camera source reads: into an array shaped like the last frame.
         ok, frame = read_frame(capture, last[0])
         if not ok:
@@ -1011,17 +1025,17 @@ def _raw_video_loops(
         return frame
 
     def serial() -> None:
-        capture = cv2.VideoCapture(str(video))
+        capture, jpeg = open_clip()
         batch: list[np.ndarray] = []
         for _ in range(n):
-            batch.append(prepare(read(capture)))
+            batch.append(prepare(read(capture, jpeg)))
             if len(batch) == MAX_BATCH:
                 engine.run(np.stack(batch))
                 batch = []
         capture.release()
 
     def pipelined() -> None:
-        capture = cv2.VideoCapture(str(video))
+        capture, jpeg = open_clip()
         prepared: queue.Queue[concurrent.futures.Future[np.ndarray] | None] = queue.Queue(
             maxsize=2 * MAX_BATCH
         )
@@ -1029,7 +1043,7 @@ def _raw_video_loops(
 
             def reader() -> None:
                 for _ in range(n):
-                    prepared.put(preparer.submit(prepare, read(capture)))
+                    prepared.put(preparer.submit(prepare, read(capture, jpeg)))
                 prepared.put(None)
 
             thread = threading.Thread(target=reader, name="raw-read")

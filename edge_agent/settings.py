@@ -59,6 +59,9 @@ class CameraSource(BaseModel):
     uri: str
     max_fps: float = Field(default=10.0, gt=0)
     loop: bool = True  # a video file starts again at its end
+    # Motion JPEG: read the camera's own JPEGs, decode them at the model's scale and
+    # forward them as they came (no JPEG encode on the agent); other codecs are decoded.
+    keep_jpeg: bool = True
     reconnect_min_s: float = Field(default=0.5, gt=0)
     reconnect_max_s: float = Field(default=30.0, gt=0)
 

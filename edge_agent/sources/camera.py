@@ -16,6 +16,14 @@ is not cheap (OpenCV's area filter from 320x240 to 64x64 costs a good part of wh
 reading the frame does: docs/performance.md, agent), so each source hands its frames
 to its own preparation thread and goes back to reading at once: reading one frame
 overlaps shrinking the one before, in arrival order.
+
+A Motion JPEG stream that OpenCV reads through FFmpeg (an IP camera's RTSP or HTTP
+stream, an MJPG video file; ``keep_jpeg``, on by default) is read as the camera's own
+JPEG frames instead: the preparation thread
+decodes each as an upload is decoded, at the model's scale (libjpeg's DCT scaling
+when the frame is at least twice the model's size), and a forwarded frame goes to
+the cloud as the camera encoded it, with no JPEG encode on the agent. A stream whose
+first frame is not a whole JPEG that decodes is read decoded, as any other.
 """
 
 from __future__ import annotations
@@ -38,14 +46,59 @@ from edge_agent.uplink import Backoff
 from shared.errors import EdgeLoopError
 from shared.lifecycle import Workers
 
-__all__ = ["CameraReader", "open_capture", "read_frame"]
+__all__ = ["CameraReader", "jpeg_packets", "open_capture", "read_frame", "read_jpeg"]
 
 log = logging.getLogger(__name__)
+
+Frame = np.ndarray | bytes  # BGR pixels, or the bytes of a JPEG as the camera sent it
 
 
 def open_capture(uri: str) -> cv2.VideoCapture:
     """A VideoCapture for a device index ("0"), a stream URL or a file path."""
     return cv2.VideoCapture(int(uri) if uri.isdigit() else uri)
+
+
+# Codec tags of Motion JPEG, where every packet of the stream is a whole JPEG image:
+# AVI and MOV tags, and the codec's name as OpenCV's FFmpeg backend reports a stream
+# without a tag (an HTTP multipart stream, say).
+_MJPEG_TAGS = frozenset({b"MJPG", b"mjpg", b"AVRn", b"dmb1", b"jpeg", b"mjpe"})
+
+
+def jpeg_packets(capture: Any) -> bool:
+    """Switch ``capture`` to hand out its stream's packets undecoded when the stream is
+    Motion JPEG; whether it did (then each ``read`` gives one JPEG's bytes).
+
+    Only OpenCV's FFmpeg backend hands out packets; it cannot be switched back, so a
+    caller whose first packet is not a JPEG it can decode opens the source again.
+    """
+    try:
+        tag = int(capture.get(cv2.CAP_PROP_FOURCC)) & 0xFFFFFFFF
+        if tag.to_bytes(4, "little") not in _MJPEG_TAGS or capture.getBackendName() != "FFMPEG":
+            return False
+        return bool(capture.set(cv2.CAP_PROP_FORMAT, -1))
+    except (AttributeError, cv2.error):  # a capture double without these, or no backend
+        return False
+
+
+def read_jpeg(capture: Any) -> bytes | None:
+    """The next JPEG of a capture ``jpeg_packets`` switched; None at the stream's end."""
+    ok, packet = capture.read()
+    if not ok or packet is None or packet.size == 0:
+        return None
+    return bytes(packet.data)
+
+
+def decodes_as_jpeg(data: bytes) -> bool:
+    """Whether ``data`` is a whole JPEG that OpenCV decodes (a stream's first packet: some
+    Motion JPEG streams leave out the Huffman tables, and then no packet decodes alone)."""
+    if not (data.startswith(b"\xff\xd8") and data.rstrip(b"\x00").endswith(b"\xff\xd9")):
+        return False
+    try:
+        return (
+            cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_REDUCED_GRAYSCALE_8) is not None
+        )
+    except cv2.error:
+        return False
 
 
 def read_frame(capture: Any, last: np.ndarray | None) -> tuple[bool, np.ndarray | None]:
@@ -86,7 +139,10 @@ class CameraReader:
         self._lock = threading.Lock()  # guards inflight and the waiting slot
         self._room = threading.Condition(self._lock)
         self._inflight = 0
-        self._waiting: np.ndarray | None = None
+        self._waiting: Frame | None = None
+        # Motion JPEG read as the camera's JPEGs; off for good once a stream's are not.
+        self._keep_jpeg = config.keep_jpeg
+        self.jpeg = False  # whether the open stream is read as JPEGs
         self._workers = Workers("camera")
         self._stopping = self._workers.stopping
         self._prepare: WorkerPool | None = None
@@ -127,6 +183,7 @@ class CameraReader:
             "dropped": self.dropped,
             "reconnects": self.reconnects,
             "last_error": self.last_error,
+            "jpeg": self.jpeg,
         }
 
     # --- the reader thread ----------------------------------------------------------
@@ -139,19 +196,31 @@ class CameraReader:
                 capture.release()
                 self._lost(f"cannot open {self.config.uri}")
                 continue
+            self.jpeg = self._keep_jpeg and jpeg_packets(capture)
             self.state = "running"
             self.agent.telemetry.source_up.labels(self.name).set(1)
             self._backoff.reset()
             next_at = time.monotonic()
-            frame: np.ndarray | None = None
+            frame: Frame | None = None
+            checked = not self.jpeg  # a JPEG stream's first packet is checked once
             try:
                 while not self._stopping.is_set():
-                    ok, frame = read_frame(capture, frame)
-                    if not ok and self.is_file and self.config.loop and self.frames:
+                    frame = self._read(capture, frame)
+                    if frame is None and self.is_file and self.config.loop and self.frames:
                         capture.set(cv2.CAP_PROP_POS_FRAMES, 0)
-                        ok, frame = read_frame(capture, None)
-                    if not ok or frame is None:
+                        frame = self._read(capture, None)
+                    if frame is None:
                         break
+                    if not checked:
+                        checked = True
+                        if not (isinstance(frame, bytes) and decodes_as_jpeg(frame)):
+                            log.info(
+                                "camera %s: its JPEG frames do not decode alone;"
+                                " reading it decoded",
+                                self.name,
+                            )
+                            self._keep_jpeg = False
+                            break
                     now = time.monotonic()
                     if now < next_at:
                         if not self.is_file:
@@ -162,8 +231,17 @@ class CameraReader:
                     self._offer(frame)
             finally:
                 capture.release()
+            if self.jpeg and not self._keep_jpeg:
+                continue  # open it again at once, read decoded
             if not self._stopping.is_set():
                 self._lost(f"{self.config.uri} stopped delivering frames")
+
+    def _read(self, capture: Any, last: Frame | None) -> Frame | None:
+        """The next frame: a JPEG's bytes from a stream read as JPEGs, else BGR pixels."""
+        if self.jpeg:
+            return read_jpeg(capture)
+        ok, frame = read_frame(capture, last if isinstance(last, np.ndarray) else None)
+        return frame if ok else None
 
     def _lost(self, why: str) -> None:
         self.state = "reconnecting"
@@ -174,7 +252,7 @@ class CameraReader:
         log.warning("camera %s: %s; retrying in %.1fs", self.name, why, delay)
         self._stopping.wait(delay)
 
-    def _offer(self, bgr: np.ndarray) -> None:
+    def _offer(self, frame: Frame) -> None:
         with self._room:
             if self.is_file:
                 while self._inflight >= self.max_inflight and not self._stopping.is_set():
@@ -183,23 +261,28 @@ class CameraReader:
                 if self._waiting is not None:
                     self.dropped += 1
                     self.agent.telemetry.record_dropped(self.name)
-                self._waiting = bgr
+                self._waiting = frame
                 return
             self._inflight += 1
-        self._submit(bgr)
+        self._submit(frame)
 
-    def _submit(self, bgr: np.ndarray) -> None:
+    def _submit(self, frame: Frame) -> None:
         """Hand the frame to the preparation thread (frames come only after ``start``)."""
         assert self._prepare is not None
         try:
-            self._prepare.submit(self._submit_now, bgr)
+            self._prepare.submit(self._submit_now, frame)
         except RuntimeError as exc:  # stopping: the pool is shut down
             self._done_one(None, exc)
 
-    def _submit_now(self, bgr: np.ndarray) -> None:
-        # On the preparation thread: shrink, convert and queue for inference.
+    def _submit_now(self, frame: Frame) -> None:
+        # On the preparation thread: a JPEG is decoded at the model's size (and kept, to
+        # forward as it came); BGR pixels are shrunk and converted; then queued.
         try:
-            self.agent.answer_bgr(bgr, self._done_one, source=self.name)
+            if isinstance(frame, bytes):
+                decoded = self.agent.decode_for_model(frame)
+                self.agent.answer_frame(decoded, self._done_one, source=self.name)
+            else:
+                self.agent.answer_bgr(frame, self._done_one, source=self.name)
         except (EdgeLoopError, RuntimeError, queue.Full) as exc:  # stopping, or queue full
             self._done_one(None, exc)
 

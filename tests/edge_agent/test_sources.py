@@ -294,3 +294,142 @@ def test_a_video_file_feeds_every_inference_thread_a_batch(
     # A batch per inference thread, and one more read ahead.
     assert reader.max_inflight == 12  # type: ignore[attr-defined]
     assert status["dropped"] == 0 and status["last_error"] is None
+
+
+def _video_jpegs(video: Path) -> list[bytes]:
+    """The JPEGs a Motion JPEG file holds, as its capture hands them out."""
+    from edge_agent.sources.camera import jpeg_packets, read_jpeg
+
+    capture = cv2.VideoCapture(str(video))
+    try:
+        assert jpeg_packets(capture)
+        packets = []
+        while (packet := read_jpeg(capture)) is not None:
+            packets.append(packet)
+        return packets
+    finally:
+        capture.release()
+
+
+def _sample_images(publisher: MemoryPublisher) -> list[bytes]:
+    from shared.envelope import EnvelopeLimits, decode_envelope
+
+    return [
+        decode_envelope(payload, EnvelopeLimits()).image
+        for topic, payload, _qos, _retain in list(publisher.messages)
+        if topic.endswith("/samples")
+    ]
+
+
+def test_a_motion_jpeg_file_is_read_as_its_jpegs_and_forwarded_as_they_came(
+    tmp_path: Path,
+    make_settings: Callable[..., AgentSettings],
+    engine: object,
+    until: Callable[..., bool],
+) -> None:
+    video = write_video(tmp_path / "clip.avi", frames=5)
+    jpegs = _video_jpegs(video)
+    assert len(jpegs) == 5 and all(j.startswith(b"\xff\xd8") for j in jpegs)
+    publisher = MemoryPublisher()
+    settings = make_settings(
+        audit_share=1.0,  # every frame forwarded
+        cameras=[CameraSource(name="mjpeg-cam", uri=str(video), max_fps=200.0)],
+    )
+    with Agent(settings, engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
+        assert until(lambda: len(_sample_images(publisher)) >= 6, timeout=15)  # looped
+        status = agent.status()["sources"][0]
+    assert status["jpeg"] is True and status["last_error"] is None
+    # Each forwarded frame is one of the camera's JPEGs, byte for byte: no re-encode.
+    assert all(image in jpegs for image in _sample_images(publisher))
+
+
+def test_a_jpeg_read_from_the_stream_gives_the_model_the_picture_of_the_decoded_frame(
+    tmp_path: Path,
+) -> None:
+    """The model's input from a camera's JPEG (libjpeg, at the model's scale) and from
+    the frame FFmpeg decodes: the same picture, up to the two decoders' rounding."""
+    from edge_agent.imaging import decode_for_model, prepare_bgr
+
+    path = tmp_path / "clip.avi"
+    y, x = np.mgrid[0:240, 0:320]
+    smooth = np.stack([x * 255 // 320, y * 255 // 240, (x + y) % 256], -1).astype(np.uint8)
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), 10.0, (320, 240))
+    writer.write(smooth)
+    writer.release()
+    (jpeg,) = _video_jpegs(path)
+    capture = cv2.VideoCapture(str(path))
+    ok, bgr = capture.read()
+    capture.release()
+    assert ok
+    for hw in ((64, 64), (224, 224)):  # DCT-scaled, and full-size decodes
+        from_jpeg = decode_for_model(jpeg, hw, max_bytes=10**7, max_pixels=10**8).tensor
+        from_frame = prepare_bgr(bgr, hw)
+        assert from_jpeg.shape == from_frame.shape == (*hw, 3)
+        assert np.abs(from_jpeg.astype(int) - from_frame.astype(int)).mean() < 2
+
+
+def test_a_stream_of_another_codec_is_read_decoded(
+    tmp_path: Path,
+    make_settings: Callable[..., AgentSettings],
+    engine: object,
+    until: Callable[..., bool],
+) -> None:
+    path = tmp_path / "clip.mp4"
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 10.0, (64, 48))
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        writer.write(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8))
+    writer.release()
+    settings = make_settings(cameras=[CameraSource(name="mp4-cam", uri=str(path), max_fps=200.0)])
+    with Agent(settings, engine=engine, publisher=MemoryPublisher()) as agent:  # type: ignore[arg-type]
+        assert until(lambda: agent.telemetry.frames_total >= 6, timeout=15)
+        status = agent.status()["sources"][0]
+    assert status["jpeg"] is False and status["last_error"] is None
+
+
+class JpegStreamWithoutTables(FastCapture):
+    """A capture that says Motion JPEG and hands out packets that do not decode alone (as
+    an MJPEG stream without its Huffman tables does); opened again, it reads decoded."""
+
+    opened = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        type(self).opened += 1
+        self.packets = type(self).opened == 1
+
+    def get(self, prop: int) -> float:
+        return float(int.from_bytes(b"MJPG", "little")) if prop == cv2.CAP_PROP_FOURCC else 0.0
+
+    def getBackendName(self) -> str:
+        return "FFMPEG"
+
+    def set(self, prop: int, value: float) -> bool:
+        return prop == cv2.CAP_PROP_FORMAT and self.packets
+
+    def read(self, image: np.ndarray | None = None) -> tuple[bool, np.ndarray | None]:
+        if self.packets:  # SOI, then no tables: no decoder makes a picture of it
+            return True, np.frombuffer(
+                b"\xff\xd8\xff\xda\x00\x02" + bytes(64) + b"\xff\xd9", np.uint8
+            )
+        return super().read(image)
+
+
+def test_a_jpeg_stream_that_does_not_decode_alone_is_read_decoded(
+    make_settings: Callable[..., AgentSettings], engine: object, until: Callable[..., bool]
+) -> None:
+    JpegStreamWithoutTables.opened = 0
+    settings = make_settings(cameras=[CameraSource(name="cam", uri="rtsp://camera/stream")])
+    agent = Agent(settings, engine=engine, publisher=MemoryPublisher())  # type: ignore[arg-type]
+    reader = CameraReader(
+        settings.cameras[0], agent, opener=lambda uri: JpegStreamWithoutTables(), live=True
+    )
+    with agent:
+        reader.start()
+        try:
+            assert until(lambda: reader.answered >= 3, timeout=15)
+        finally:
+            reader.stop()
+    status = reader.status()
+    assert JpegStreamWithoutTables.opened == 2 and status["jpeg"] is False
+    assert status["reconnects"] == 0 and status["last_error"] is None
