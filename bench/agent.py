@@ -1378,9 +1378,10 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
                 ],
                 video_rows,
             ),
-            f"The same 64-frame MJPEG clip in a loop. Raw: one thread reads, one prepares"
-            " (the agent's own edge_agent.imaging.prepare_bgr: shrink the BGR frame, then"
-            " convert it to RGB), the"
+            f"The same 64-frame MJPEG clip in a loop, read as the agent's camera source reads"
+            " a Motion JPEG stream: as its JPEGs (edge_agent.sources.camera.jpeg_packets),"
+            " each decoded at the model's size as an upload is (decode_for_model). Raw: one"
+            " thread reads, one decodes and prepares, the"
             f" calling thread runs batches of {MAX_BATCH} (in the layout of a batch per core,"
             " as many threads each run one), as the agent's camera source is laid out; the"
             " layout is the raw loop's fastest, as for HTTP (the one-thread loop does the"
@@ -1390,9 +1391,11 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
             f" {repeats} rounds times the raw loops on {video_frames} frames, then starts an"
             " agent, times its window and stops it, then once more with routing off (nothing"
             " forwarded; information) and once forwarding every frame (the CPU per"
-            " forwarded sample: its CPU per frame less routing off's, per forwarded frame,"
-            " the frame's JPEG included); figures and ratios (per round) are medians over"
-            " the rounds.",
+            " forwarded sample: its CPU per frame less routing off's, per forwarded frame:"
+            " the envelope, the spool, and handling receipts and verdicts; a forwarded"
+            " frame is the camera's JPEG, not encoded again); figures and ratios (per"
+            " round) are medians over the rounds. The cloud here is a stand-in in the"
+            " agent's process (no broker): publishing over MQTT is in the HTTP figure only.",
             markdown_table(
                 ["model", *(f"{title}, CPU us/frame" for _, title in AGENT_THREADS)],
                 thread_rows,
