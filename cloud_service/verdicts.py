@@ -342,5 +342,5 @@ def _without_pixels(task: SampleTask) -> SampleTask:
 
 _NO_PIXELS = np.zeros((0,), np.uint8)
 # Under a backlog, how long verdicts wait for the teacher's next batch to share their
-# transaction (a batch of 32 takes the reference teacher about 8 ms on two cores).
+# transaction (the bench's teacher runs a batch of 32 in about 5 ms with both cores).
 _BACKLOG_WAIT_S = 0.05

@@ -145,7 +145,7 @@ def _decode_pixels(data: bytes, info: ImageInfo, size: tuple[int, int] | None) -
     decoded = cv2.imdecode(np.frombuffer(data, np.uint8), _rgb(flag)) if complete else None
     if decoded is None:
         rgb = _decode_with_pillow(data)
-    elif _RGB_DECODE:
+    elif _RGB_DECODE is not None:
         rgb = decoded
     else:
         rgb = cv2.cvtColor(decoded, cv2.COLOR_BGR2RGB)

@@ -19,11 +19,11 @@ overlaps shrinking the one before, in arrival order.
 
 A Motion JPEG stream that OpenCV reads through FFmpeg (an IP camera's RTSP or HTTP
 stream, an MJPG video file; ``keep_jpeg``, on by default) is read as the camera's own
-JPEG frames instead: the preparation thread
-decodes each as an upload is decoded, at the model's scale (libjpeg's DCT scaling
-when the frame is at least twice the model's size), and a forwarded frame goes to
-the cloud as the camera encoded it, with no JPEG encode on the agent. A stream whose
-first frame is not a whole JPEG that decodes is read decoded, as any other.
+JPEG frames instead: the preparation thread decodes each as an upload is decoded, at
+the model's scale (libjpeg's DCT scaling when the frame is at least twice the model's
+size), and a forwarded frame goes to the cloud as the camera encoded it, with no JPEG
+encode on the agent. A stream whose first frame is not a whole JPEG that decodes is
+read decoded, as any other.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def read_jpeg(capture: Any) -> bytes | None:
     return bytes(packet.data)
 
 
-def decodes_as_jpeg(data: bytes) -> bool:
+def _decodes_as_jpeg(data: bytes) -> bool:
     """Whether ``data`` is a whole JPEG that OpenCV decodes (a stream's first packet: some
     Motion JPEG streams leave out the Huffman tables, and then no packet decodes alone)."""
     if not (data.startswith(b"\xff\xd8") and data.rstrip(b"\x00").endswith(b"\xff\xd9")):
@@ -213,7 +213,7 @@ class CameraReader:
                         break
                     if not checked:
                         checked = True
-                        if not (isinstance(frame, bytes) and decodes_as_jpeg(frame)):
+                        if not (isinstance(frame, bytes) and _decodes_as_jpeg(frame)):
                             log.info(
                                 "camera %s: its JPEG frames do not decode alone;"
                                 " reading it decoded",
