@@ -991,7 +991,7 @@ def _raw_video_loops(
     work one step after another on one thread.
     """
     from edge_agent.imaging import prepare_bgr
-    from edge_agent.sources.camera import jpeg_packets, read_frame, read_jpeg
+    from edge_agent.sources.camera import jpeg_packets, read_next
 
     engine = _engine(model, layout)
     hw = engine.input_hw
@@ -1008,20 +1008,14 @@ def _raw_video_loops(
         return capture, jpeg_packets(capture)
 
     def read(capture: cv2.VideoCapture, jpeg: bool) -> np.ndarray | bytes:
-        if jpeg:
-            data = read_jpeg(capture)
-            if data is None:
-                capture.set(cv2.CAP_PROP_POS_FRAMES, 0)
-                data = read_jpeg(capture)
-            assert data is not None
-            return data
-        # As the agent's camera source reads: into an array shaped like the last frame.
-        ok, frame = read_frame(capture, last[0])
-        if not ok:
+        # As the agent's camera source reads, starting the clip again at its end.
+        frame = read_next(capture, last[0], jpeg=jpeg)
+        if frame is None:
             capture.set(cv2.CAP_PROP_POS_FRAMES, 0)
-            ok, frame = read_frame(capture, None)
-        assert ok and frame is not None
-        last[0] = frame
+            frame = read_next(capture, None, jpeg=jpeg)
+        assert frame is not None
+        if isinstance(frame, np.ndarray):
+            last[0] = frame
         return frame
 
     def serial() -> None:

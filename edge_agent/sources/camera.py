@@ -46,7 +46,7 @@ from edge_agent.uplink import Backoff
 from shared.errors import EdgeLoopError
 from shared.lifecycle import Workers
 
-__all__ = ["CameraReader", "jpeg_packets", "open_capture", "read_frame", "read_jpeg"]
+__all__ = ["CameraReader", "jpeg_packets", "open_capture", "read_frame", "read_jpeg", "read_next"]
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,16 @@ def read_frame(capture: Any, last: np.ndarray | None) -> tuple[bool, np.ndarray 
     if last is None:
         return capture.read()
     return capture.read(np.empty_like(last))
+
+
+def read_next(capture: Any, last: Frame | None, *, jpeg: bool) -> Frame | None:
+    """The capture's next frame, None at the stream's end: a JPEG's bytes from a capture
+    ``jpeg_packets`` switched (``jpeg``), else BGR pixels (``read_frame``, into an array
+    shaped like ``last``)."""
+    if jpeg:
+        return read_jpeg(capture)
+    ok, frame = read_frame(capture, last if isinstance(last, np.ndarray) else None)
+    return frame if ok else None
 
 
 class CameraReader:
@@ -205,10 +215,10 @@ class CameraReader:
             checked = not self.jpeg  # a JPEG stream's first packet is checked once
             try:
                 while not self._stopping.is_set():
-                    frame = self._read(capture, frame)
+                    frame = read_next(capture, frame, jpeg=self.jpeg)
                     if frame is None and self.is_file and self.config.loop and self.frames:
                         capture.set(cv2.CAP_PROP_POS_FRAMES, 0)
-                        frame = self._read(capture, None)
+                        frame = read_next(capture, None, jpeg=self.jpeg)
                     if frame is None:
                         break
                     if not checked:
@@ -235,13 +245,6 @@ class CameraReader:
                 continue  # open it again at once, read decoded
             if not self._stopping.is_set():
                 self._lost(f"{self.config.uri} stopped delivering frames")
-
-    def _read(self, capture: Any, last: Frame | None) -> Frame | None:
-        """The next frame: a JPEG's bytes from a stream read as JPEGs, else BGR pixels."""
-        if self.jpeg:
-            return read_jpeg(capture)
-        ok, frame = read_frame(capture, last if isinstance(last, np.ndarray) else None)
-        return frame if ok else None
 
     def _lost(self, why: str) -> None:
         self.state = "reconnecting"

@@ -19,8 +19,8 @@ from edge_agent.sources.camera import CameraReader, read_frame
 from edge_agent.testing import MemoryPublisher
 
 
-def write_video(path: Path, frames: int = 10) -> Path:
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), 10.0, (64, 48))
+def write_video(path: Path, frames: int = 10, *, fourcc: str = "MJPG") -> Path:
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*fourcc), 10.0, (64, 48))
     rng = np.random.default_rng(0)
     for _ in range(frames):
         writer.write(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8))
@@ -374,12 +374,7 @@ def test_a_stream_of_another_codec_is_read_decoded(
     engine: object,
     until: Callable[..., bool],
 ) -> None:
-    path = tmp_path / "clip.mp4"
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 10.0, (64, 48))
-    rng = np.random.default_rng(1)
-    for _ in range(5):
-        writer.write(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8))
-    writer.release()
+    path = write_video(tmp_path / "clip.mp4", frames=5, fourcc="mp4v")
     settings = make_settings(cameras=[CameraSource(name="mp4-cam", uri=str(path), max_fps=200.0)])
     with Agent(settings, engine=engine, publisher=MemoryPublisher()) as agent:  # type: ignore[arg-type]
         assert until(lambda: agent.telemetry.frames_total >= 6, timeout=15)
