@@ -193,6 +193,15 @@ class CloudSettings(EdgeLoopSettings):
         le=100.0,
         description="CPython's thread switch interval while the verifier runs; 0: unchanged",
     )
+    verifier_gc_young_every: int = Field(
+        default=20_000,
+        ge=0,
+        le=10_000_000,
+        description=(
+            "CPython's youngest garbage collection every this many allocations while the"
+            " verifier runs (CPython's default 700), what it holds at start frozen; 0: unchanged"
+        ),
+    )
 
     distill_worker: bool = Field(
         default=True,

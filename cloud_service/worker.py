@@ -40,7 +40,7 @@ from cloud_service.verifier_ingest import IngestStage
 from cloud_service.verifier_recovery import MalformedGuard, Recovery
 from cloud_service.verifier_transport import VerifierTransport
 from shared.decode_pool import DecodePool
-from shared.interpreter import switch_interval
+from shared.interpreter import switch_interval, young_collections
 from shared.mqtt import ProtocolName
 
 __all__ = ["VerifierWorker", "batcher_config"]
@@ -129,6 +129,7 @@ class VerifierWorker:
             verdicts=self.verdicts,
         )
         self._switch_interval = switch_interval(settings.verifier_switch_interval_ms)
+        self._collections = young_collections(settings.verifier_gc_young_every)
         self._stopped = False
         self._stop_lock = threading.Lock()
 
@@ -199,6 +200,9 @@ class VerifierWorker:
         # threads that decode, store and score; at CPython's default interval it could
         # take in only a few hundred messages a second.
         self._switch_interval.apply()
+        # Hundreds of short-lived objects per sample, hardly any cyclic: collected rarely,
+        # and what the verifier holds once started (teacher, engine, pools) frozen.
+        self._collections.apply()
         self.verdicts.start()
         self.ingest.start()
         self.recovery.start()
@@ -229,3 +233,4 @@ class VerifierWorker:
         if self._engine is not None:
             self._engine.dispose()
         self._switch_interval.restore()
+        self._collections.restore()

@@ -63,7 +63,7 @@ from edge_agent.verdicts import VerdictKeeper, VerdictStore
 from shared.decode_pool import DecodePool
 from shared.errors import EdgeLoopError, MessageError
 from shared.images import ImageInfo
-from shared.interpreter import switch_interval
+from shared.interpreter import switch_interval, young_collections
 from shared.lifecycle import WorkerHealth
 from shared.messages import Receipt, decode_message, decode_verdicts
 
@@ -141,6 +141,7 @@ class Agent:
         self.ready = False
         self.started_at = time.monotonic()
         self._switch_interval = switch_interval(settings.switch_interval_ms)
+        self._collections = young_collections(settings.gc_young_every)
         self._opencv_threads = opencv_threads(settings.opencv_threads)
         # Progressive and costly uploads decode in these processes, within a budget;
         # created by start(), its workers on the first such image.
@@ -211,6 +212,9 @@ class Agent:
         # the decoders on every decode; a shorter interval hands it back to them sooner.
         self._switch_interval.apply()
         self._opencv_threads.apply()
+        # A frame's path allocates hundreds of short-lived objects, hardly any cyclic:
+        # collected rarely, and what the agent holds once started (the model) frozen.
+        self._collections.apply()
         if self.start_sources:
             self._start_sources()
         self.ready = True
@@ -253,6 +257,7 @@ class Agent:
             self.decode_pool.close()
         self._switch_interval.restore()
         self._opencv_threads.restore()
+        self._collections.restore()
 
     def health(self) -> dict[str, object]:
         """Each part's threads: alive, iterations, errors and the last error, by part."""

@@ -140,6 +140,15 @@ class AgentSettings(EdgeLoopSettings):
         le=100.0,
         description="CPython's thread switch interval while the agent runs; 0: unchanged",
     )
+    gc_young_every: int = Field(
+        default=20_000,
+        ge=0,
+        le=10_000_000,
+        description=(
+            "CPython's youngest garbage collection every this many allocations while the"
+            " agent runs (CPython's default 700), what it holds at start frozen; 0: unchanged"
+        ),
+    )
     opencv_threads: int = Field(
         default=1,
         ge=0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import struct
 import threading
@@ -312,6 +313,19 @@ def test_stop_from_several_threads_at_once_stops_once(
     assert health["ready"] is False
     assert health["mqtt"]["alive"] is False  # type: ignore[index]
     assert not any(health["threads"].values())  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_the_collectors_threshold_is_the_verifiers_while_it_runs(
+    make_settings: Callable[..., CloudSettings], broker: Any, topics: Topics, database_url: str
+) -> None:
+    own, frozen = gc.get_threshold(), gc.get_freeze_count()
+    overrides = {"verifier_gc_young_every": 50_000}
+    with running_worker(make_settings, broker, topics, database_url, **overrides):
+        assert gc.get_threshold()[0] == 50_000
+        assert gc.get_freeze_count() > frozen  # the teacher, the engine, the pools
+    assert gc.get_threshold() == own
+    assert gc.get_freeze_count() == frozen
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)

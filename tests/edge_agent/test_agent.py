@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable
 
@@ -28,6 +29,18 @@ def test_a_zero_switch_interval_leaves_the_process_alone(
     with Agent(settings, engine=engine, publisher=MemoryPublisher()):  # type: ignore[arg-type]
         assert sys.getswitchinterval() == pytest.approx(own_switch_interval)
     assert sys.getswitchinterval() == pytest.approx(own_switch_interval)
+
+
+def test_the_collectors_threshold_is_the_agents_while_it_runs(
+    make_settings: Callable[..., AgentSettings], engine: object
+) -> None:
+    own, frozen = gc.get_threshold(), gc.get_freeze_count()
+    settings = make_settings(gc_young_every=50_000)
+    with Agent(settings, engine=engine, publisher=MemoryPublisher()):  # type: ignore[arg-type]
+        assert gc.get_threshold()[0] == 50_000
+        assert gc.get_freeze_count() > frozen  # the model and the agent's parts
+    assert gc.get_threshold() == own
+    assert gc.get_freeze_count() == frozen
 
 
 @pytest.mark.parametrize("opencv_threads", [1, 3])
