@@ -1,7 +1,7 @@
 """Process-wide settings a service holds while it runs, given back when it stops.
 
 ``ProcessSetting`` saves the process's own value, sets the service's, and puts the
-saved one back. Two are in use:
+saved one back. Three are in use:
 
 - ``switch_interval``: CPython's thread switch interval. The agent and the verifier
   each run threads that give the interpreter lock up for a moment (a socket call, an
@@ -70,7 +70,10 @@ def young_collections(every: int) -> ProcessSetting[int]:
 
     def write(threshold: int) -> None:
         nonlocal frozen  # ProcessSetting writes the new value, then the saved one back
-        gc.unfreeze() if frozen else gc.freeze()
+        if frozen:
+            gc.unfreeze()
+        else:
+            gc.freeze()
         frozen = not frozen
         _, middle, oldest = gc.get_threshold()
         gc.set_threshold(threshold, middle, oldest)
