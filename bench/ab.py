@@ -1,0 +1,302 @@
+"""Two checkouts side by side: the verifier or the agent from each, rounds alternating.
+
+    git worktree add /tmp/edgeloop-base HEAD~1
+    python -m bench.ab verifier --rounds 8 /tmp/edgeloop-base .
+    python -m bench.ab agent --model detector --routing defaults --rounds 6 /tmp/edgeloop-base .
+    python -m bench.ab verifier A=. B=.:EDGELOOP_VERIFIER_GC_YOUNG_EVERY=0
+
+A change that moves a figure by a few percent hides in the noise of one host between
+runs; run alternately on the same host, two processes see the same noise. Each side
+is ``[NAME=]TREE[:VAR=VALUE,...]``: a checkout of this project (its processes import
+from it: it is their working directory and their ``PYTHONPATH``) and settings for that
+side's processes only. The side figures in the closing notes of performance changes
+come from here; the goals come from ``make bench``.
+
+* ``verifier``: one ``cloud-service verifier`` process per side (``--workers`` each)
+  on the bench's PostgreSQL, Mosquitto and seeded teacher, each side on topics of its
+  own; a round publishes ``--samples`` of the bench's ~20 KB envelopes to one side, as
+  fast as it verifies them (``bench.cloud``). Per side: the CPU of its process tree
+  per sample, and samples per second.
+* ``agent``: one ``edge-agent run`` per side behind HTTP, in the bench's fastest
+  layout for a camera-sized student, with the bench's load generator and, when it
+  forwards, the bench's stand-in cloud answering both; a round is one burst of the
+  model's frames to one side (after its last forwarded samples settled). Per side:
+  the agent's CPU per frame, and frames per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+__all__ = ["Side", "parse_side", "side_env"]
+
+MODELS = {
+    "detector": "detector student int8",
+    "224": "tiny-student 224px",
+    "reference": "reference student int8",
+}
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of the comparison: its name, its checkout and its settings."""
+
+    name: str
+    tree: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def parse_side(text: str, default_name: str) -> Side:
+    """``[NAME=]TREE[:VAR=VALUE,...]`` -> Side (ValueError when malformed)."""
+    head, _, settings = text.partition(":")
+    name, named, tree = head.partition("=")
+    if not named:
+        name, tree = "", head
+    env: dict[str, str] = {}
+    for item in filter(None, settings.split(",")):
+        var, equals, value = item.partition("=")
+        if not equals or not var:
+            raise ValueError(f"expected VAR=VALUE, got {item!r} in {text!r}")
+        env[var] = value
+    path = Path(tree or ".").resolve()
+    if not (path / "edge_agent").is_dir() or not (path / "cloud_service").is_dir():
+        raise ValueError(f"{path} is not a checkout of this project")
+    return Side(name or default_name, path, env)
+
+
+def side_env(side: Side, base: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a side's processes: ``base``, its checkout first on the
+    import path, and its settings."""
+    return {**base, "PYTHONPATH": str(side.tree), **side.env}
+
+
+@contextmanager
+def _launched_from(sides: dict[str, Side]) -> Iterator[None]:
+    """Processes started with a side's environment run in its checkout (``python -m``
+    imports from the working directory before ``PYTHONPATH``)."""
+    trees = {str(side.tree): side for side in sides.values()}
+    popen = subprocess.Popen
+
+    class SidePopen(popen):  # type: ignore[valid-type,misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            env = kwargs.get("env") or {}
+            if env.get("PYTHONPATH") in trees:
+                kwargs["cwd"] = env["PYTHONPATH"]
+            super().__init__(*args, **kwargs)
+
+    subprocess.Popen = SidePopen  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        subprocess.Popen = popen  # type: ignore[misc]
+
+
+def _summary(cost: dict[str, list[float]], rate: dict[str, list[float]], units: str) -> str:
+    lines = []
+    for name in cost:
+        lines.append(
+            f"{name}: {units} median {statistics.median(cost[name]):.3f}"
+            f" (min {min(cost[name]):.3f}, {len(cost[name])} rounds),"
+            f" per second median {statistics.median(rate[name]):.0f}"
+        )
+    return "\n".join(lines)
+
+
+def verifier(sides: list[Side], rounds: int, samples: int, workers: int) -> str:
+    from bench import cloud
+    from cloud_service.demo_teacher import build_demo_teacher
+    from shared.mqtt import MqttTarget, negotiate_protocol
+    from shared.topics import Topics
+    from simulations.stack import Stack
+
+    workdir = Path(tempfile.mkdtemp(prefix="edgeloop-ab-"))
+    teacher = build_demo_teacher(workdir / "teacher.onnx", size=cloud.SIZE, hidden=2048, seed=0)
+    protocol = negotiate_protocol(MqttTarget.parse(cloud.BROKER))
+    stack = Stack(
+        workdir,
+        broker=cloud.BROKER,
+        db="postgres",
+        verifier=None,
+        teacher=teacher,
+        topic_prefix=f"ab-{uuid.uuid4().hex[:8]}/v1",
+        cloud={
+            "mqtt_session_expiry_s": 0,
+            "max_batch_size": cloud.BATCH,
+            "max_queue_delay_ms": 2.0,
+            "review_audit_share": 0.02,
+        },
+        name="ab",
+    )
+    cost: dict[str, list[float]] = {side.name: [] for side in sides}
+    rate: dict[str, list[float]] = {side.name: [] for side in sides}
+    with ExitStack() as stack_exit, _launched_from({side.name: side for side in sides}):
+        stack_exit.enter_context(stack)
+        running = []
+        for side in sides:
+            tag = f"ab-{side.name}-{uuid.uuid4().hex[:6]}"
+            saved = dict(os.environ)
+            os.environ.clear()
+            os.environ.update(side_env(side, saved))
+            try:  # the launcher takes the environment as it is when made
+                process = stack.verifier_process(
+                    workers=workers,
+                    ready_timeout_s=120.0,
+                    stop_timeout_s=60.0,
+                    topic_prefix=f"{tag}/v1",
+                    verifier_client_id=tag,
+                    verifier_group=tag,
+                )
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+            stack_exit.enter_context(process)
+            running.append((side.name, Topics(prefix=f"{tag}/v1"), process))
+        for _, topics, _ in running:
+            cloud._processes_end_to_end(topics, 300, protocol)  # warm-up
+        for i in range(rounds):
+            for name, topics, process in running if i % 2 == 0 else running[::-1]:
+                seconds, used = cloud._processes_end_to_end(
+                    topics, samples, protocol, tree=process.pid
+                )
+                cost[name].append(used["verifier"])
+                rate[name].append(samples / seconds)
+            print(i, {name: round(c[-1], 3) for name, c in cost.items()}, flush=True)
+    return _summary(cost, rate, "verifier CPU ms per sample")
+
+
+def agent(sides: list[Side], model_key: str, routing: str, rounds: int) -> str:
+    from bench import agent as bench_agent
+    from shared.broker import free_port
+
+    workdir = Path(tempfile.mkdtemp(prefix="edgeloop-ab-"))
+    models = dict(bench_agent._models(workdir))
+    if MODELS[model_key] not in models:
+        raise SystemExit(f"{MODELS[model_key]} is not built here (edgeloop models bootstrap)")
+    model = models[MODELS[model_key]]
+    task, side_px = bench_agent._model_info(model)
+    jpegs, _ = bench_agent._frames_for(task, side_px, 600)
+    layout = bench_agent.LAYOUTS[-1]  # a batch per core: the fastest for both camera models
+    context = multiprocessing.get_context("spawn")
+    client_end, client_child = context.Pipe()
+    cloud_end, cloud_child = context.Pipe()
+    agents: list[tuple[str, subprocess.Popen[bytes], int]] = []
+    children: list[Any] = []
+    cost: dict[str, list[float]] = {side.name: [] for side in sides}
+    rate: dict[str, list[float]] = {side.name: [] for side in sides}
+    try:
+        for side in sides:
+            port = free_port()
+            folder = workdir / side.name
+            config = bench_agent._write_config(folder, model, port, layout, routing=routing)
+            agent_id = bench_agent.HTTP_AGENTS[routing]
+            config.write_text(
+                config.read_text().replace(f'"{agent_id}"', f'"ab-{side.name}"')
+            )  # each side its own MQTT client
+            env = side_env(side, {**os.environ, "PYTHONUNBUFFERED": "1"})
+            process = subprocess.Popen(
+                [sys.executable, "-m", "edge_agent.cli", "run", "--config", str(config)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=env,
+                cwd=side.tree,
+            )
+            agents.append((side.name, process, port))
+        for _, process, port in agents:
+            bench_agent._wait_ready(process, port)
+        if routing != "off":
+            stand_in = context.Process(
+                target=bench_agent._cloud_main,
+                args=(
+                    bench_agent._broker_url(),
+                    bench_agent.FLEET,
+                    [f"ab-{side.name}" for side in sides],
+                    task == "detection",
+                    cloud_child,
+                ),
+            )
+            stand_in.start()
+            children.append(stand_in)
+            if bench_agent._answer(cloud_end, stand_in) != "ready":
+                raise RuntimeError("the stand-in cloud did not start")
+        client = context.Process(
+            target=bench_agent._client_main, args=(jpegs, layout.clients, client_child)
+        )
+        client.start()
+        children.append(client)
+        if bench_agent._answer(client_end, client) != "ready":
+            raise RuntimeError("the load generator did not start")
+        for _, _, port in agents:  # warm-up
+            client_end.send(("burst", port))
+            bench_agent._answer(client_end, client)
+        for i in range(rounds):
+            for name, process, port in agents if i % 2 == 0 else agents[::-1]:
+                watched = psutil.Process(process.pid)
+                if routing != "off":
+                    bench_agent._settle(port)
+                before = sum(watched.cpu_times()[:2])
+                client_end.send(("burst", port))
+                seconds, _latencies, errors, _client_cpu = bench_agent._answer(client_end, client)
+                if errors:
+                    raise RuntimeError(f"{errors} requests to {name} were not answered 200")
+                if routing != "off":  # its forwarded samples' work, until receipted
+                    bench_agent._settle(port)
+                cost[name].append((sum(watched.cpu_times()[:2]) - before) / len(jpegs) * 1e3)
+                rate[name].append(len(jpegs) / seconds)
+            print(i, {name: round(c[-1], 3) for name, c in cost.items()}, flush=True)
+        client_end.send(("stop", 0))
+        if routing != "off":
+            cloud_end.send("stop")
+    finally:
+        for child in children:
+            child.join(10)
+            if child.is_alive():
+                child.kill()
+        for _, process, _ in agents:
+            process.terminate()
+            process.wait(20)
+    return _summary(cost, rate, "agent CPU ms per frame")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for command in ("verifier", "agent"):
+        sub = commands.add_parser(command)
+        sub.add_argument("a", help="[NAME=]TREE[:VAR=VALUE,...] (NAME defaults to A)")
+        sub.add_argument("b", help="[NAME=]TREE[:VAR=VALUE,...] (NAME defaults to B)")
+        sub.add_argument("--rounds", type=int, default=8)
+        if command == "verifier":
+            sub.add_argument("--samples", type=int, default=4000)
+            sub.add_argument("--workers", type=int, default=1)
+        else:
+            sub.add_argument("--model", choices=sorted(MODELS), default="detector")
+            sub.add_argument("--routing", choices=("off", "defaults", "all"), default="defaults")
+    args = parser.parse_args(argv)
+    try:
+        sides = [parse_side(args.a, "A"), parse_side(args.b, "B")]
+    except ValueError as exc:
+        parser.error(str(exc))
+    if sides[0].name == sides[1].name:
+        parser.error(f"both sides are named {sides[0].name}")
+    if args.command == "verifier":
+        print(verifier(sides, args.rounds, args.samples, args.workers))
+    else:
+        print(agent(sides, args.model, args.routing, args.rounds))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""bench.ab's sides: a checkout and its settings, each side's processes importing from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.ab import parse_side, side_env
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def test_a_side_is_a_checkout_with_a_name_and_settings() -> None:
+    side = parse_side(f"base={CHECKOUT}:EDGELOOP_GC_YOUNG_EVERY=0,EDGELOOP_X=a=b", "A")
+    assert side.name == "base"
+    assert side.tree == CHECKOUT
+    assert side.env == {"EDGELOOP_GC_YOUNG_EVERY": "0", "EDGELOOP_X": "a=b"}
+    plain = parse_side(str(CHECKOUT), "B")
+    assert (plain.name, plain.tree, plain.env) == ("B", CHECKOUT, {})
+
+
+def test_its_processes_import_from_its_checkout_with_its_settings() -> None:
+    side = parse_side(f"{CHECKOUT}:EDGELOOP_LOG_LEVEL=DEBUG", "A")
+    env = side_env(side, {"PATH": "/usr/bin", "PYTHONPATH": "/elsewhere"})
+    assert env == {"PATH": "/usr/bin", "PYTHONPATH": str(CHECKOUT), "EDGELOOP_LOG_LEVEL": "DEBUG"}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("/", "is not a checkout"), (f"{CHECKOUT}:NOVALUE", "expected VAR=VALUE")],
+)
+def test_a_malformed_side_is_refused(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_side(text, "A")
