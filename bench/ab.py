@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -76,6 +77,11 @@ def parse_side(text: str, default_name: str) -> Side:
     if not (path / "edge_agent").is_dir() or not (path / "cloud_service").is_dir():
         raise ValueError(f"{path} is not a checkout of this project")
     return Side(name or default_name, path, env)
+
+
+def _slug(side: Side) -> str:
+    """The side's name as MQTT client ids, agent ids and group ids accept it."""
+    return "ab-" + re.sub(r"[^a-z0-9_-]", "-", side.name.lower())[:40]
 
 
 def side_env(side: Side, base: Mapping[str, str]) -> dict[str, str]:
@@ -147,7 +153,7 @@ def verifier(sides: list[Side], rounds: int, samples: int, workers: int) -> str:
         stack_exit.enter_context(stack)
         running = []
         for side in sides:
-            tag = f"ab-{side.name}-{uuid.uuid4().hex[:6]}"
+            tag = f"{_slug(side)}-{uuid.uuid4().hex[:6]}"
             saved = dict(os.environ)
             os.environ.clear()
             os.environ.update(side_env(side, saved))
@@ -204,7 +210,7 @@ def agent(sides: list[Side], model_key: str, routing: str, rounds: int) -> str:
             config = bench_agent._write_config(folder, model, port, layout, routing=routing)
             agent_id = bench_agent.HTTP_AGENTS[routing]
             config.write_text(
-                config.read_text().replace(f'"{agent_id}"', f'"ab-{side.name}"')
+                config.read_text().replace(f'"{agent_id}"', f'"{_slug(side)}"')
             )  # each side its own MQTT client
             env = side_env(side, {**os.environ, "PYTHONUNBUFFERED": "1"})
             process = subprocess.Popen(
@@ -223,7 +229,7 @@ def agent(sides: list[Side], model_key: str, routing: str, rounds: int) -> str:
                 args=(
                     bench_agent._broker_url(),
                     bench_agent.FLEET,
-                    [f"ab-{side.name}" for side in sides],
+                    [_slug(side) for side in sides],
                     task == "detection",
                     cloud_child,
                 ),
@@ -290,8 +296,8 @@ def main(argv: list[str] | None = None) -> None:
         sides = [parse_side(args.a, "A"), parse_side(args.b, "B")]
     except ValueError as exc:
         parser.error(str(exc))
-    if sides[0].name == sides[1].name:
-        parser.error(f"both sides are named {sides[0].name}")
+    if _slug(sides[0]) == _slug(sides[1]):
+        parser.error(f"the sides need different names ({sides[0].name}, {sides[1].name})")
     if args.command == "verifier":
         print(verifier(sides, args.rounds, args.samples, args.workers))
     else:
