@@ -35,8 +35,8 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,27 +90,6 @@ def side_env(side: Side, base: Mapping[str, str]) -> dict[str, str]:
     return {**base, "PYTHONPATH": str(side.tree), **side.env}
 
 
-@contextmanager
-def _launched_from(sides: dict[str, Side]) -> Iterator[None]:
-    """Processes started with a side's environment run in its checkout (``python -m``
-    imports from the working directory before ``PYTHONPATH``)."""
-    trees = {str(side.tree): side for side in sides.values()}
-    popen = subprocess.Popen
-
-    class SidePopen(popen):  # type: ignore[valid-type,misc]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            env = kwargs.get("env") or {}
-            if env.get("PYTHONPATH") in trees:
-                kwargs["cwd"] = env["PYTHONPATH"]
-            super().__init__(*args, **kwargs)
-
-    subprocess.Popen = SidePopen  # type: ignore[misc]
-    try:
-        yield
-    finally:
-        subprocess.Popen = popen  # type: ignore[misc]
-
-
 def _summary(cost: dict[str, list[float]], rate: dict[str, list[float]], units: str) -> str:
     lines = []
     for name in cost:
@@ -149,26 +128,21 @@ def verifier(sides: list[Side], rounds: int, samples: int, workers: int) -> str:
     )
     cost: dict[str, list[float]] = {side.name: [] for side in sides}
     rate: dict[str, list[float]] = {side.name: [] for side in sides}
-    with ExitStack() as stack_exit, _launched_from({side.name: side for side in sides}):
+    with ExitStack() as stack_exit:
         stack_exit.enter_context(stack)
         running = []
         for side in sides:
             tag = f"{_slug(side)}-{uuid.uuid4().hex[:6]}"
-            saved = dict(os.environ)
-            os.environ.clear()
-            os.environ.update(side_env(side, saved))
-            try:  # the launcher takes the environment as it is when made
-                process = stack.verifier_process(
-                    workers=workers,
-                    ready_timeout_s=120.0,
-                    stop_timeout_s=60.0,
-                    topic_prefix=f"{tag}/v1",
-                    verifier_client_id=tag,
-                    verifier_group=tag,
-                )
-            finally:
-                os.environ.clear()
-                os.environ.update(saved)
+            process = stack.verifier_process(
+                workers=workers,
+                ready_timeout_s=120.0,
+                stop_timeout_s=60.0,
+                checkout=side.tree,
+                env=side.env,
+                topic_prefix=f"{tag}/v1",
+                verifier_client_id=tag,
+                verifier_group=tag,
+            )
             stack_exit.enter_context(process)
             running.append((side.name, Topics(prefix=f"{tag}/v1"), process))
         for _, topics, _ in running:

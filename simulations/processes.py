@@ -61,11 +61,17 @@ class ServiceProcess:
         log: Path | None = None,
         ready_timeout_s: float = 90.0,
         stop_timeout_s: float = 30.0,
+        checkout: Path | None = None,
     ) -> None:
         self.kind = kind
         self.workers = workers
         self.port = free_port()
         self.env = {**os.environ, **env}
+        # Another checkout of the project (a base to compare with): the command runs in
+        # it, and imports from it (``python -m`` puts the working directory first).
+        self.checkout = checkout
+        if checkout is not None:
+            self.env["PYTHONPATH"] = str(checkout)
         self.log = log
         self.ready_timeout_s = ready_timeout_s
         self.stop_timeout_s = stop_timeout_s
@@ -128,11 +134,15 @@ class ServiceProcess:
 
     def _launch(self) -> subprocess.Popen[bytes]:
         if self.log is None:
-            process = subprocess.Popen(self._command(), env=self.env)
+            process = subprocess.Popen(self._command(), env=self.env, cwd=self.checkout)
         else:
             with self.log.open("ab") as handle:
                 process = subprocess.Popen(
-                    self._command(), env=self.env, stdout=handle, stderr=subprocess.STDOUT
+                    self._command(),
+                    env=self.env,
+                    cwd=self.checkout,
+                    stdout=handle,
+                    stderr=subprocess.STDOUT,
                 )
         self.process = process
         self._launched.append(process)

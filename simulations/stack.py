@@ -339,8 +339,16 @@ class Stack:
 
     def _process(self, kind: Literal["verifier", "api"], **options: Any) -> ServiceProcess:
         workers = int(options.pop("workers", 1))
-        launch = {k: options.pop(k) for k in ("ready_timeout_s", "stop_timeout_s") if k in options}
-        env = settings_env({"log_level": "WARNING", **self.cloud_values(**options)})
+        launch = {
+            k: options.pop(k)
+            for k in ("ready_timeout_s", "stop_timeout_s", "checkout")
+            if k in options
+        }
+        extra_env: Mapping[str, str] = options.pop("env", {})
+        env = {
+            **settings_env({"log_level": "WARNING", **self.cloud_values(**options)}),
+            **extra_env,
+        }
         process = ServiceProcess(
             kind, env, workers=workers, log=self.folder / f"{kind}.log", **launch
         )
@@ -350,8 +358,10 @@ class Stack:
     def verifier_process(self, **options: Any) -> ServiceProcess:
         """A ``cloud-service verifier`` launcher (not started), stopped with the stack.
 
-        ``workers``, ``ready_timeout_s`` and ``stop_timeout_s`` shape the launch; any
-        other keyword is a ``CloudSettings`` field for this process only.
+        ``workers``, ``ready_timeout_s``, ``stop_timeout_s`` and ``checkout`` (another
+        checkout of the project to run it from) shape the launch, ``env`` adds variables
+        after the stack's; any other keyword is a ``CloudSettings`` field for this process
+        only.
         """
         return self._process("verifier", **options)
 

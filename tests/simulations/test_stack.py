@@ -53,6 +53,19 @@ def test_launchers_read_their_settings_from_the_stack(tmp_path: Path) -> None:
             stack.broker.restart()  # only a private Mosquitto restarts
 
 
+def test_a_launcher_runs_from_another_checkout_with_its_own_variables(tmp_path: Path) -> None:
+    base = tmp_path / "base-checkout"
+    stack = Stack(tmp_path, broker="mqtt://127.0.0.1:1883", verifier=None, name="t")
+    with stack:
+        process = stack.verifier_process(
+            checkout=base, env={"EDGELOOP_LOG_LEVEL": "DEBUG"}, ingest_max_batch=20
+        )
+        assert process.checkout == base
+        assert process.env["PYTHONPATH"] == str(base)  # imports from it, not the installed one
+        assert process.env["EDGELOOP_LOG_LEVEL"] == "DEBUG"  # after the stack's WARNING
+        assert process.env["EDGELOOP_INGEST_MAX_BATCH"] == "20"
+
+
 @pytest.mark.mqtt
 def test_stack_runs_every_part_and_stops_them(tmp_path: Path) -> None:
     teacher = build_demo_teacher(tmp_path / "teacher.onnx", size=32, classes=10, seed=1)
