@@ -101,6 +101,62 @@ def _summary(cost: dict[str, list[float]], rate: dict[str, list[float]], units: 
     return "\n".join(lines)
 
 
+def thread_seconds(urls: list[str]) -> dict[str, float]:
+    """CPU seconds by thread name (``edgeloop_thread_cpu_seconds``) of the processes whose
+    ``/metrics`` are ``urls``, added up by name; empty for a checkout without them."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    with httpx.Client(timeout=10.0) as http:
+        for url in urls:
+            for family in text_string_to_metric_families(http.get(url).text):
+                if family.name == "edgeloop_thread_cpu_seconds":
+                    for sample in family.samples:
+                        thread = sample.labels["thread"]
+                        totals[thread] = totals.get(thread, 0.0) + sample.value
+    return totals
+
+
+class ThreadCpu:
+    """Each side's CPU by thread over its rounds, per unit of work (frame, sample)."""
+
+    def __init__(self, sides: list[Side]) -> None:
+        self.seconds: dict[str, dict[str, float]] = {side.name: {} for side in sides}
+        self.units: dict[str, int] = {side.name: 0 for side in sides}
+
+    def add(
+        self, side: str, before: Mapping[str, float], after: Mapping[str, float], units: int
+    ) -> None:
+        totals = self.seconds[side]
+        for thread, seconds in after.items():
+            totals[thread] = totals.get(thread, 0.0) + seconds - before.get(thread, 0.0)
+        self.units[side] += units
+
+    def table(self, unit: str) -> str:
+        """Milliseconds per ``unit`` by thread, a column per side, busiest first."""
+        names = list(self.seconds)
+        per_unit = {
+            name: {t: s / max(self.units[name], 1) * 1e3 for t, s in self.seconds[name].items()}
+            for name in names
+        }
+        threads = sorted(
+            {t for figures in per_unit.values() for t in figures},
+            key=lambda t: -max(figures.get(t, 0.0) for figures in per_unit.values()),
+        )
+        if not threads:
+            return ""
+        width = max(len(t) for t in threads)
+        lines = [f"CPU ms per {unit} by thread".ljust(width) + "".join(f"{n:>10}" for n in names)]
+        for thread in threads:
+            cells = "".join(
+                f"{per_unit[n][thread]:>10.3f}" if thread in per_unit[n] else f"{'-':>10}"
+                for n in names
+            )
+            lines.append(thread.ljust(width) + cells)
+        return "\n".join(lines)
+
+
 def verifier(sides: list[Side], rounds: int, samples: int, workers: int) -> str:
     from bench import cloud
     from cloud_service.demo_teacher import build_demo_teacher
@@ -147,15 +203,20 @@ def verifier(sides: list[Side], rounds: int, samples: int, workers: int) -> str:
             running.append((side.name, Topics(prefix=f"{tag}/v1"), process))
         for _, topics, _ in running:
             cloud._processes_end_to_end(topics, 300, protocol)  # warm-up
+        threads = ThreadCpu(sides)
         for i in range(rounds):
             for name, topics, process in running if i % 2 == 0 else running[::-1]:
+                urls = [f"http://127.0.0.1:{process.port + w}/metrics" for w in range(workers)]
+                before = thread_seconds(urls)
                 seconds, used = cloud._processes_end_to_end(
                     topics, samples, protocol, tree=process.pid
                 )
+                threads.add(name, before, thread_seconds(urls), samples)
                 cost[name].append(used["verifier"])
                 rate[name].append(samples / seconds)
             print(i, {name: round(c[-1], 3) for name, c in cost.items()}, flush=True)
-    return _summary(cost, rate, "verifier CPU ms per sample")
+    summary = _summary(cost, rate, "verifier CPU ms per sample")
+    return "\n\n".join(filter(None, [threads.table("sample"), summary]))
 
 
 def agent(sides: list[Side], model_key: str, routing: str, rounds: int) -> str:
@@ -222,11 +283,14 @@ def agent(sides: list[Side], model_key: str, routing: str, rounds: int) -> str:
         for _, _, port in agents:  # warm-up
             client_end.send(("burst", port))
             bench_agent._answer(client_end, client)
+        threads = ThreadCpu(sides)
         for i in range(rounds):
             for name, process, port in agents if i % 2 == 0 else agents[::-1]:
                 watched = psutil.Process(process.pid)
                 if routing != "off":
                     bench_agent._settle(port)
+                metrics = [f"http://127.0.0.1:{port}/metrics"]
+                threads_before = thread_seconds(metrics)
                 before = sum(watched.cpu_times()[:2])
                 client_end.send(("burst", port))
                 seconds, _latencies, errors, _client_cpu = bench_agent._answer(client_end, client)
@@ -235,6 +299,7 @@ def agent(sides: list[Side], model_key: str, routing: str, rounds: int) -> str:
                 if routing != "off":  # its forwarded samples' work, until receipted
                     bench_agent._settle(port)
                 cost[name].append((sum(watched.cpu_times()[:2]) - before) / len(jpegs) * 1e3)
+                threads.add(name, threads_before, thread_seconds(metrics), len(jpegs))
                 rate[name].append(len(jpegs) / seconds)
             print(i, {name: round(c[-1], 3) for name, c in cost.items()}, flush=True)
         client_end.send(("stop", 0))
@@ -248,7 +313,8 @@ def agent(sides: list[Side], model_key: str, routing: str, rounds: int) -> str:
         for _, process, _ in agents:
             process.terminate()
             process.wait(20)
-    return _summary(cost, rate, "agent CPU ms per frame")
+    summary = _summary(cost, rate, "agent CPU ms per frame")
+    return "\n\n".join(filter(None, [threads.table("frame"), summary]))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from shared.thread_cpu import ThreadCpuCollector
+
 __all__ = ["DISTILL_QUEUE_GAUGES", "CloudMetrics"]
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ class CloudMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        r.register(ThreadCpuCollector())
         self.ingested = Counter(
             "edgeloop_ingest_samples", "Samples stored (new ones)", ["fleet"], registry=r
         )

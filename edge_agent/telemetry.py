@@ -18,6 +18,8 @@ import numpy as np
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from shared.thread_cpu import ThreadCpuCollector
+
 __all__ = ["Telemetry", "gpu_stats"]
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,7 @@ class Telemetry:
     def __init__(self, window: int = 2048, clock: Any = time.monotonic) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        r.register(ThreadCpuCollector())
         self.frames = Counter("edgeloop_agent_frames", "Frames answered", ["source"], registry=r)
         self.forwarded = Counter(
             "edgeloop_agent_forwarded", "Frames forwarded to the cloud", ["reason"], registry=r

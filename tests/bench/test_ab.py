@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ab import parse_side, side_env
+from bench.ab import Side, ThreadCpu, parse_side, side_env
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 
@@ -33,3 +33,22 @@ def test_its_processes_import_from_its_checkout_with_its_settings() -> None:
 def test_a_malformed_side_is_refused(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_side(text, "A")
+
+
+def test_thread_cpu_is_reported_per_unit_by_thread_busiest_first() -> None:
+    sides = [Side("A", Path("."), {}), Side("B", Path("."), {})]
+    threads = ThreadCpu(sides)
+    threads.add("A", {"decode": 1.0, "other": 2.0}, {"decode": 1.5, "other": 2.1}, 500)
+    threads.add("A", {"decode": 1.5, "other": 2.1}, {"decode": 2.0, "other": 2.2}, 500)
+    threads.add("B", {}, {"decode": 0.8, "verdicts": 0.05}, 1000)
+    lines = threads.table("sample").splitlines()
+    assert lines[0].split()[-2:] == ["A", "B"]
+    assert lines[1].split() == ["decode", "1.000", "0.800"]
+    assert lines[2].split() == ["other", "0.200", "-"]
+    assert lines[3].split() == ["verdicts", "-", "0.050"]
+
+
+def test_a_side_without_thread_figures_adds_no_table() -> None:
+    threads = ThreadCpu([Side("A", Path("."), {})])
+    threads.add("A", {}, {}, 100)
+    assert threads.table("frame") == ""

@@ -114,6 +114,7 @@ def test_samples_are_stored_receipted_and_verified(
     metrics = worker.metrics.render().decode()
     assert "edgeloop_verifier_batch_size_count" in metrics
     assert 'edgeloop_agent_forwarded_samples_total{agent="cam-1",fleet="fleet-a"} 42.0' in metrics
+    assert 'edgeloop_thread_cpu_seconds_total{thread="other"}' in metrics
 
 
 def test_every_malformed_case_lands_in_dead_letters_with_its_reason(

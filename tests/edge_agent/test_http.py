@@ -253,3 +253,17 @@ def test_answers_are_strict_json_whatever_numbers_an_engine_gives() -> None:
         "predicted": 3,
         "x": 1.5,
     }
+
+
+def test_metrics_show_the_cpu_of_the_agents_threads(
+    client: httpx.Client, make_image: Callable[..., bytes]
+) -> None:
+    client.post("/v1/frames", content=make_image(), headers={"Content-Type": "image/jpeg"})
+    lines = client.get("/metrics").text.splitlines()
+    threads = {
+        line.split('thread="', 1)[1].split('"', 1)[0]
+        for line in lines
+        if line.startswith("edgeloop_thread_cpu_seconds_total{")
+    }
+    assert "other" in threads
+    assert any(name.startswith("inference") for name in threads), threads
