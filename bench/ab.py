@@ -101,9 +101,14 @@ def _summary(cost: dict[str, list[float]], rate: dict[str, list[float]], units: 
     return "\n".join(lines)
 
 
+BATCH_SUM = "batch frames"  # the agent's inference batches: frames, batches so far
+BATCH_COUNT = "batches"
+
+
 def thread_seconds(urls: list[str]) -> dict[str, float]:
     """CPU seconds by thread name (``edgeloop_thread_cpu_seconds``) of the processes whose
-    ``/metrics`` are ``urls``, added up by name; empty for a checkout without them."""
+    ``/metrics`` are ``urls``, added up by name (empty for a checkout without them), and
+    an agent's inference batches so far (``BATCH_SUM`` frames in ``BATCH_COUNT``)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -111,10 +116,16 @@ def thread_seconds(urls: list[str]) -> dict[str, float]:
     with httpx.Client(timeout=10.0) as http:
         for url in urls:
             for family in text_string_to_metric_families(http.get(url).text):
-                if family.name == "edgeloop_thread_cpu_seconds":
-                    for sample in family.samples:
-                        thread = sample.labels["thread"]
-                        totals[thread] = totals.get(thread, 0.0) + sample.value
+                for sample in family.samples:
+                    if family.name == "edgeloop_thread_cpu_seconds":
+                        key = sample.labels["thread"]
+                    elif sample.name == "edgeloop_agent_batch_size_sum":
+                        key = BATCH_SUM
+                    elif sample.name == "edgeloop_agent_batch_size_count":
+                        key = BATCH_COUNT
+                    else:
+                        continue
+                    totals[key] = totals.get(key, 0.0) + sample.value
     return totals
 
 
@@ -124,11 +135,15 @@ class ThreadCpu:
     def __init__(self, sides: list[Side]) -> None:
         self.seconds: dict[str, dict[str, float]] = {side.name: {} for side in sides}
         self.units: dict[str, int] = {side.name: 0 for side in sides}
+        self.batches = {side.name: {BATCH_SUM: 0.0, BATCH_COUNT: 0.0} for side in sides}
 
     def add(
         self, side: str, before: Mapping[str, float], after: Mapping[str, float], units: int
     ) -> None:
         totals = self.seconds[side]
+        for key in (BATCH_SUM, BATCH_COUNT):
+            self.batches[side][key] += after.get(key, 0.0) - before.get(key, 0.0)
+        after = {k: v for k, v in after.items() if k not in (BATCH_SUM, BATCH_COUNT)}
         for thread, seconds in after.items():
             totals[thread] = totals.get(thread, 0.0) + seconds - before.get(thread, 0.0)
         self.units[side] += units
@@ -146,14 +161,21 @@ class ThreadCpu:
         )
         if not threads:
             return ""
-        width = max(len(t) for t in threads)
-        lines = [f"CPU ms per {unit} by thread".ljust(width) + "".join(f"{n:>10}" for n in names)]
+        header, batch_label = f"CPU ms per {unit} by thread", "frames per inference batch"
+        width = max(len(t) for t in [*threads, header, batch_label])
+        lines = [header.ljust(width) + "".join(f"{n:>10}" for n in names)]
         for thread in threads:
             cells = "".join(
                 f"{per_unit[n][thread]:>10.3f}" if thread in per_unit[n] else f"{'-':>10}"
                 for n in names
             )
             lines.append(thread.ljust(width) + cells)
+        if any(b[BATCH_COUNT] for b in self.batches.values()):
+            cells = "".join(
+                f"{b[BATCH_SUM] / b[BATCH_COUNT]:>10.2f}" if b[BATCH_COUNT] else f"{'-':>10}"
+                for b in self.batches.values()
+            )
+            lines.append(batch_label.ljust(width) + cells)
         return "\n".join(lines)
 
 

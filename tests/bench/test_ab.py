@@ -40,12 +40,15 @@ def test_thread_cpu_is_reported_per_unit_by_thread_busiest_first() -> None:
     threads = ThreadCpu(sides)
     threads.add("A", {"decode": 1.0, "other": 2.0}, {"decode": 1.5, "other": 2.1}, 500)
     threads.add("A", {"decode": 1.5, "other": 2.1}, {"decode": 2.0, "other": 2.2}, 500)
-    threads.add("B", {}, {"decode": 0.8, "verdicts": 0.05}, 1000)
+    threads.add(
+        "B", {}, {"decode": 0.8, "verdicts": 0.05, "batches": 200, "batch frames": 1000}, 1000
+    )
     lines = threads.table("sample").splitlines()
     assert lines[0].split()[-2:] == ["A", "B"]
     assert lines[1].split() == ["decode", "1.000", "0.800"]
     assert lines[2].split() == ["other", "0.200", "-"]
     assert lines[3].split() == ["verdicts", "-", "0.050"]
+    assert lines[4].split()[-2:] == ["-", "5.00"]  # frames per inference batch (B's agent)
 
 
 def test_a_side_without_thread_figures_adds_no_table() -> None:
