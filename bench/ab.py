@@ -43,6 +43,8 @@ from typing import Any
 
 import psutil
 
+from bench.common import BATCH_COUNT, BATCH_SUM, thread_seconds
+
 __all__ = ["Side", "parse_side", "side_env"]
 
 MODELS = {
@@ -99,34 +101,6 @@ def _summary(cost: dict[str, list[float]], rate: dict[str, list[float]], units: 
             f" per second median {statistics.median(rate[name]):.0f}"
         )
     return "\n".join(lines)
-
-
-BATCH_SUM = "batch frames"  # the agent's inference batches: frames, batches so far
-BATCH_COUNT = "batches"
-
-
-def thread_seconds(urls: list[str]) -> dict[str, float]:
-    """CPU seconds by thread name (``edgeloop_thread_cpu_seconds``) of the processes whose
-    ``/metrics`` are ``urls``, added up by name (empty for a checkout without them), and
-    an agent's inference batches so far (``BATCH_SUM`` frames in ``BATCH_COUNT``)."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    totals: dict[str, float] = {}
-    with httpx.Client(timeout=10.0) as http:
-        for url in urls:
-            for family in text_string_to_metric_families(http.get(url).text):
-                for sample in family.samples:
-                    if family.name == "edgeloop_thread_cpu_seconds":
-                        key = sample.labels["thread"]
-                    elif sample.name == "edgeloop_agent_batch_size_sum":
-                        key = BATCH_SUM
-                    elif sample.name == "edgeloop_agent_batch_size_count":
-                        key = BATCH_COUNT
-                    else:
-                        continue
-                    totals[key] = totals.get(key, 0.0) + sample.value
-    return totals
 
 
 class ThreadCpu:

@@ -74,7 +74,7 @@ import httpx
 import numpy as np
 import psutil
 
-from bench.common import markdown_table, ready
+from bench.common import BATCH_COUNT, BATCH_SUM, markdown_table, ready, thread_seconds
 from shared.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -617,6 +617,8 @@ def _http(
             figures["raw_decode_cpu_ms_per_frame"] = raw_cpu_ms
             for key, (server, port) in servers.items():
                 answers_cloud = key == "http"  # the stand-in answers only this agent
+                metrics = [f"http://127.0.0.1:{port}/metrics"]
+                threads = thread_seconds(metrics) if answers_cloud else {}
                 server_cpu = sum(server.cpu_times()[:2])
                 cloud_cpu = _cloud_count(cloud_parent, cloud)[1] if answers_cloud else 0.0
                 parent.send(("burst", port))
@@ -634,6 +636,14 @@ def _http(
                     figures["cloud_cpu_share"] = cloud_cpu / (seconds * cores)
                     figures["agent_cpu_share"] = server_cpu / (seconds * cores)
                     figures["agent_cpu_ms_per_frame"] = server_cpu / n * 1e3
+                    after = thread_seconds(metrics)
+                    batches = after.get(BATCH_COUNT, 0.0) - threads.get(BATCH_COUNT, 0.0)
+                    figures["http_batch_frames"] = (
+                        after.get(BATCH_SUM, 0.0) - threads.get(BATCH_SUM, 0.0)
+                    ) / max(batches, 1.0)
+                    used = _by_stage({k: v - threads.get(k, 0.0) for k, v in after.items()})
+                    for name, _ in HTTP_THREADS:
+                        figures[f"http_cpu_us_{name}"] = max(used.get(name, 0.0), 0.0) / n * 1e6
                 else:
                     figures[f"{key}_vs_raw_decode"] = raw_s["raw_decode"] / seconds
                     figures[f"{key}_cpu_ms_per_frame"] = server_cpu / n * 1e3
@@ -896,25 +906,35 @@ AGENT_THREADS = (
 )
 
 
+HTTP_THREADS = (
+    ("http-api", "HTTP server (requests, answers)"),
+    ("http-decode", "decoding (a JPEG at the model's size, RGB)"),
+    ("inference-loop", "inference (batches, ORT, routing, answers)"),
+    ("agent-post", "a forwarded frame's envelope"),
+    ("spool-writer", "spool writer (transactions, publishing)"),
+    ("mqtt-io", "MQTT link (receipts, verdicts in)"),
+    ("verdict-writer", "verdict writer"),
+    ("other", "ORT's and OpenCV's worker threads"),
+)
+
+
+def _by_stage(seconds: dict[str, float]) -> dict[str, float]:
+    """Thread CPU by stage: a pool's threads (``name``, ``name-1``...) added up."""
+    stages: dict[str, float] = {}
+    for name, value in seconds.items():
+        stage = name.rstrip("0123456789").rstrip("-")
+        stages[stage] = stages.get(stage, 0.0) + value
+    return stages
+
+
 def _thread_cpu() -> dict[str, float]:
-    """CPU seconds of this process's threads so far, by thread name without its number
-    (threads Python did not start, such as ORT's and OpenCV's, as "native"); Linux only."""
-    names = {thread.native_id: thread.name for thread in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
-    cpu: dict[str, float] = {}
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return cpu
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended meanwhile
-            continue
-        name = names.get(int(task), "native").rstrip("0123456789").rstrip("-")
-        cpu[name] = cpu.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return cpu
+    """CPU seconds of this process's threads so far, by stage (threads Python did not
+    start, such as ORT's and OpenCV's, as "native")."""
+    from shared.thread_cpu import OTHER, thread_cpu_seconds
+
+    seconds = thread_cpu_seconds()
+    seconds["native"] = seconds.pop(OTHER)
+    return _by_stage(seconds)
 
 
 def _video_window(
@@ -1209,6 +1229,7 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
     http_rows: list[list[Any]] = []
     video_rows: list[list[Any]] = []
     thread_rows: list[list[Any]] = []
+    http_thread_rows: list[list[Any]] = []
     from edge_agent.imaging import opencv_threads
     from edge_agent.settings import AgentSettings
 
@@ -1257,6 +1278,13 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
                     http["bare_http_fps"],
                     http["bare_http_cpu_ms_per_frame"],
                     http["http_ceiling"],
+                ]
+            )
+            http_thread_rows.append(
+                [
+                    shown,
+                    http["http_batch_frames"],
+                    *(http[f"http_cpu_us_{name}"] for name, _ in HTTP_THREADS),
                 ]
             )
             if video:
@@ -1347,6 +1375,18 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
         " forwards none, per forwarded frame, is the agent's cost per forwarded sample"
         " (envelope, spool, publish, receipt and verdict handling). The stand-in cloud"
         " answers both forwarding agents; a detector's verdicts carry (empty) boxes.",
+        markdown_table(
+            [
+                "model",
+                "frames per inference batch",
+                *(f"{title}, CPU us/frame" for _, title in HTTP_THREADS),
+            ],
+            http_thread_rows,
+        ),
+        "The agent's CPU per answered frame behind HTTP, by thread (routing at its"
+        " defaults; medians over the rounds, from its edgeloop_thread_cpu_seconds), and"
+        " the frames of its inference batches (the raw loops run batches of"
+        f" {MAX_BATCH}).",
     ]
     if video_rows:
         tables += [

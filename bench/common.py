@@ -10,6 +10,9 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 
 def median_seconds(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
@@ -95,3 +98,28 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+BATCH_SUM = "batch frames"  # the agent's inference batches: frames, batches so far
+BATCH_COUNT = "batches"
+
+
+def thread_seconds(urls: list[str]) -> dict[str, float]:
+    """CPU seconds by thread name (``edgeloop_thread_cpu_seconds``) of the processes whose
+    ``/metrics`` are ``urls``, added up by name (empty for a checkout without them), and
+    an agent's inference batches so far (``BATCH_SUM`` frames in ``BATCH_COUNT``)."""
+    totals: dict[str, float] = {}
+    with httpx.Client(timeout=10.0) as http:
+        for url in urls:
+            for family in text_string_to_metric_families(http.get(url).text):
+                for sample in family.samples:
+                    if family.name == "edgeloop_thread_cpu_seconds":
+                        key = sample.labels["thread"]
+                    elif sample.name == "edgeloop_agent_batch_size_sum":
+                        key = BATCH_SUM
+                    elif sample.name == "edgeloop_agent_batch_size_count":
+                        key = BATCH_COUNT
+                    else:
+                        continue
+                    totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
