@@ -61,7 +61,7 @@ import psutil
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.engine import make_url
 
-from bench.common import markdown_table
+from bench.common import markdown_table, thread_seconds
 from bench.envelope import typical_sample
 from cloud_service.batcher import BatcherConfig, DynamicBatcher
 from cloud_service.db.models import Sample, Verdict
@@ -779,11 +779,21 @@ def run(quick: bool = False) -> dict[str, Any]:
                     deployed_rates: list[float] = []
                     ratios: list[float] = []
                     runs_cpu: list[dict[str, float]] = []
+                    runs_threads: list[dict[str, float]] = []
+                    metrics = [
+                        f"http://127.0.0.1:{processes.port + i}/metrics" for i in range(workers)
+                    ]
                     with processes:
                         _processes_end_to_end(topics, 300, protocol)  # warm-up
                         for _ in range(repeats):
+                            threads_before = thread_seconds(metrics)
                             elapsed, cpu_used = _processes_end_to_end(
                                 topics, steady, protocol, tree=processes.pid
+                            )
+                            runs_threads.append(
+                                _per_sample_by_stage(
+                                    threads_before, thread_seconds(metrics), steady
+                                )
                             )
                             deployed_rates.append(steady / elapsed)
                             raw_rate, _raw_used = _raw_pubsub(
@@ -807,6 +817,12 @@ def run(quick: bool = False) -> dict[str, Any]:
                         "beyond": [
                             round(r["verifier"] - r["teacher"] - r["decode"], 3) for r in runs_cpu
                         ],
+                        "threads": {
+                            stage: round(
+                                statistics.median(r.get(stage, 0.0) for r in runs_threads), 3
+                            )
+                            for stage in {stage for r in runs_threads for stage in r}
+                        },
                     }
         finally:
             engine.dispose()
@@ -861,6 +877,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             statistics.median(run_["beyond"]), 3
         )
         figures[f"verifier_overhead_runs_ms_{workers}p"] = run_["beyond"]
+        figures[f"verifier_threads_ms_per_sample_{workers}p"] = run_["threads"]
     tables.append(
         markdown_table(
             ["end to end (Mosquitto, QoS 1)", "value"],
@@ -885,9 +902,49 @@ def run(quick: bool = False) -> dict[str, Any]:
         )
     )
     tables.append(_cpu_table(figures))
+    if deployed and deployed[1]["threads"]:
+        tables.append(_thread_table({w: run_["threads"] for w, run_ in deployed.items()}))
     if latency:
         tables.append(_latency_table(latency, figures["deployed_1_samples_per_s"]))
     return {"figures": figures, "tables": tables}
+
+
+def _per_sample_by_stage(
+    before: dict[str, float], after: dict[str, float], samples: int
+) -> dict[str, float]:
+    """Milliseconds of CPU per sample by verifier stage over one round: each thread's
+    CPU (``edgeloop_thread_cpu_seconds``), a pool's threads (decode_0, decode_1) added up."""
+    stages: dict[str, float] = {}
+    for name, seconds in after.items():
+        stage = name.rstrip("0123456789").rstrip("_-")
+        used = max(seconds - before.get(name, 0.0), 0.0)
+        stages[stage] = stages.get(stage, 0.0) + used / samples * 1e3
+    return stages
+
+
+def _thread_table(by_workers: dict[int, dict[str, float]]) -> str:
+    """The verifier's CPU per sample by thread, a column per process count."""
+    stages = sorted(
+        {stage for figures in by_workers.values() for stage in figures},
+        key=lambda stage: -by_workers[1].get(stage, 0.0),
+    )
+    rows = [
+        [stage, *(round(figures.get(stage, 0.0), 3) for figures in by_workers.values())]
+        for stage in stages
+        if any(figures.get(stage, 0.0) >= 0.001 for figures in by_workers.values())
+    ]
+    headers = [
+        "verifier CPU per sample by thread (ms, medians over the rounds)",
+        *(f"{w} process{'es' if w > 1 else ''}" for w in by_workers),
+    ]
+    return (
+        markdown_table(headers, rows)
+        + "\n\nFrom each verifier process's edgeloop_thread_cpu_seconds around each round:"
+        " decode (the envelope, the checks, the JPEG to the teacher's input), teacher (its"
+        " batches; ORT's own pool threads are in other), verifier-verdicts (rows, verdict"
+        " messages), blobs (image files), verifier-mqtt-io (the broker link),"
+        " verifier-store (sample rows, receipts)."
+    )
 
 
 def _latency_table(latency: dict[str, Any], capacity: float) -> str:
