@@ -4,18 +4,21 @@
 thread, by its name (threads of one name add up), and one named ``other`` for the
 rest of the process's CPU: threads outside Python (ONNX Runtime's and OpenCV's
 pools, the CUDA driver's) and threads that have ended. The series add up to the
-process's CPU time. Where per-thread clocks are missing (not POSIX) only ``other``
-is exported.
+process's CPU time.
 
-Each thread's clock is its own POSIX CPU clock (``pthread_getcpuclockid``): exact to
-the nanosecond, read without a system-wide lock, about a microsecond per thread.
+Each thread's time is read by its kernel id from ``/proc/self/task/{id}/schedstat``
+(nanoseconds on the CPU; ``stat``'s clock ticks where that file is missing), never
+through a thread handle: a handle of a thread that ended meanwhile is undefined
+behaviour to use, a task id that ended is only a missing file. Without ``/proc``
+(not Linux) only ``other`` is exported.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
@@ -27,22 +30,37 @@ _HELP = (
     "CPU time of this process's threads by name; 'other': threads outside Python"
     " (ONNX Runtime, OpenCV) and ended threads"
 )
-_thread_clock: Callable[[int], int] | None = getattr(time, "pthread_getcpuclockid", None)
+_TASKS = "/proc/self/task"
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def _task_seconds(task: int) -> float | None:
+    """CPU seconds of kernel task ``task`` of this process; None once it has ended."""
+    try:
+        with open(f"{_TASKS}/{task}/schedstat", "rb") as schedstat:
+            return int(schedstat.read().split(maxsplit=1)[0]) / 1e9
+    except FileNotFoundError:
+        if not os.path.isdir(f"{_TASKS}/{task}"):
+            return None  # ended
+    except (OSError, ValueError, IndexError):
+        pass
+    try:  # a kernel without schedstat: user and system clock ticks
+        with open(f"{_TASKS}/{task}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) * _TICK_S
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def thread_cpu_seconds() -> dict[str, float]:
     """CPU seconds by thread name, and ``other`` for the rest of the process."""
     by_name: dict[str, float] = {}
-    if _thread_clock is not None:
+    if os.path.isdir(_TASKS):
         for thread in threading.enumerate():
-            ident = thread.ident
-            if ident is None:
-                continue  # not started yet
-            try:
-                seconds = time.clock_gettime(_thread_clock(ident))
-            except OSError:  # ended between enumerate() and here
-                continue
-            by_name[thread.name] = by_name.get(thread.name, 0.0) + seconds
+            task = thread.native_id
+            seconds = _task_seconds(task) if task is not None else None
+            if seconds is not None:
+                by_name[thread.name] = by_name.get(thread.name, 0.0) + seconds
     # The process's clock is read last, so it never reads less than its threads'.
     rest = time.process_time() - sum(by_name.values())
     by_name[OTHER] = by_name.get(OTHER, 0.0) + max(rest, 0.0)

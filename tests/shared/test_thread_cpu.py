@@ -30,7 +30,7 @@ def test_a_busy_thread_shows_its_cpu_under_its_name_and_the_rest_adds_up() -> No
         after = time.process_time()
         assert figures["spinner"] >= 0.05
         assert figures[OTHER] >= 0.0
-        assert before - 0.01 <= sum(figures.values()) <= after + 0.01
+        assert before - 0.02 <= sum(figures.values()) <= after + 0.02
     finally:
         release.set()
         thread.join()
@@ -43,7 +43,8 @@ def test_an_ended_threads_cpu_moves_to_other() -> None:
     thread.join()
     after = thread_cpu_seconds()
     assert "short-lived" not in after
-    assert after[OTHER] - before[OTHER] >= 0.05
+    # The reading thread's own figure may lag by a scheduler tick (a few ms).
+    assert after[OTHER] - before[OTHER] >= 0.04
 
 
 def test_threads_of_one_name_add_up() -> None:
