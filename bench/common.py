@@ -13,6 +13,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from shared.thread_cpu import scraped_thread_seconds
+
 
 def median_seconds(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
@@ -111,15 +113,14 @@ def thread_seconds(urls: list[str]) -> dict[str, float]:
     totals: dict[str, float] = {}
     with httpx.Client(timeout=10.0) as http:
         for url in urls:
-            for family in text_string_to_metric_families(http.get(url).text):
+            text = http.get(url).text
+            figures = scraped_thread_seconds(text)
+            for family in text_string_to_metric_families(text):
                 for sample in family.samples:
-                    if family.name == "edgeloop_thread_cpu_seconds":
-                        key = sample.labels["thread"]
-                    elif sample.name == "edgeloop_agent_batch_size_sum":
-                        key = BATCH_SUM
+                    if sample.name == "edgeloop_agent_batch_size_sum":
+                        figures[BATCH_SUM] = sample.value
                     elif sample.name == "edgeloop_agent_batch_size_count":
-                        key = BATCH_COUNT
-                    else:
-                        continue
-                    totals[key] = totals.get(key, 0.0) + sample.value
+                        figures[BATCH_COUNT] = sample.value
+            for key, value in figures.items():
+                totals[key] = totals.get(key, 0.0) + value
     return totals

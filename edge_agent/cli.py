@@ -106,6 +106,15 @@ def status(
     ),
     as_json: bool = JsonOption,
     timeout: float = typer.Option(2.0, help="Seconds to wait for the running agent."),
+    threads: float = typer.Option(
+        0.0,
+        "--threads",
+        metavar="SECONDS",
+        help="Also watch the agent's threads for this many seconds: each one's share of a"
+        " core (from its /metrics), busiest first.",
+        min=0.0,
+        max=60.0,
+    ),
 ) -> None:
     """Show the running agent's status (its local API), else what its spool holds."""
     import httpx
@@ -113,12 +122,15 @@ def status(
     overrides: dict[str, Any] = {} if port is None else {"http_port": port}
     settings = load_settings(AgentSettings, _agent_config(config), **overrides)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # its request lines are not status
-    url = f"http://{settings.http_host}:{settings.http_port}/v1/status"
+    base = f"http://{settings.http_host}:{settings.http_port}"
+    url = f"{base}/v1/status"
     data: dict[str, Any]
     try:
         response = httpx.get(url, timeout=timeout)
         response.raise_for_status()
         data = {"running": True, **response.json()}
+        if threads:
+            data["threads"] = _thread_shares(f"{base}/metrics", threads, timeout)
     except httpx.HTTPError as exc:
         data = {
             "running": False,
@@ -158,6 +170,34 @@ def status(
             f"source {source['name']} ({source['kind']}): {source['state']}"
             f" {source.get('last_error') or ''}"
         )
+    if "threads" in data:
+        typer.echo(f"threads over {threads:g} s (share of a core):")
+        for name, share in data["threads"].items():
+            typer.echo(f"  {name:<28} {share:6.1%}")
+
+
+def _thread_shares(metrics_url: str, seconds: float, timeout: float) -> dict[str, float]:
+    """Each thread's share of a core over ``seconds``, from two scrapes of ``metrics_url``,
+    busiest first (raises httpx.HTTPError when the agent does not answer)."""
+    import time
+
+    import httpx
+
+    from shared.thread_cpu import scraped_thread_seconds
+
+    def scrape() -> tuple[float, dict[str, float]]:
+        response = httpx.get(metrics_url, timeout=timeout)
+        response.raise_for_status()
+        return time.monotonic(), scraped_thread_seconds(response.text)
+
+    started, first = scrape()
+    time.sleep(seconds)
+    ended, second = scrape()
+    elapsed = max(ended - started, 1e-9)
+    shares = {
+        name: max(value - first.get(name, 0.0), 0.0) / elapsed for name, value in second.items()
+    }
+    return dict(sorted(shares.items(), key=lambda item: -item[1]))
 
 
 @app.command("rollback")

@@ -23,9 +23,10 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["OTHER", "ThreadCpuCollector", "thread_cpu_seconds"]
+__all__ = ["METRIC", "OTHER", "ThreadCpuCollector", "scraped_thread_seconds", "thread_cpu_seconds"]
 
 OTHER = "other"
+METRIC = "edgeloop_thread_cpu_seconds"
 _HELP = (
     "CPU time of this process's threads by name; 'other': threads outside Python"
     " (ONNX Runtime, OpenCV) and ended threads"
@@ -71,10 +72,24 @@ class ThreadCpuCollector(Collector):
     """Exports :func:`thread_cpu_seconds` at each scrape."""
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily("edgeloop_thread_cpu_seconds", _HELP, labels=["thread"])
+        family = CounterMetricFamily(METRIC, _HELP, labels=["thread"])
         for name, seconds in sorted(thread_cpu_seconds().items()):
             family.add_metric([name], seconds)
         yield family
 
     def describe(self) -> Iterator[CounterMetricFamily]:
         return iter(())
+
+
+def scraped_thread_seconds(text: str) -> dict[str, float]:
+    """CPU seconds by thread name from a ``/metrics`` page (Prometheus text); empty when
+    the page has none (a service from before this metric)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        sample.labels["thread"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == METRIC
+        for sample in family.samples
+        if sample.name == f"{METRIC}_total"
+    }

@@ -166,6 +166,16 @@ def test_run_and_status(
         assert data["connected"] is False  # no broker there: the agent answers anyway
         text = runner.invoke(app, ["status", "--config", str(config)])
         assert "model tiny-student" in text.output
+        watched = runner.invoke(app, ["status", "--config", str(config), "--threads", "0.05"])
+        assert watched.exit_code == 0, watched.output
+        assert "threads over 0.05 s (share of a core):" in watched.output
+        assert "http-api" in watched.output  # the API server's thread, by name
+        shares = json.loads(
+            runner.invoke(
+                app, ["status", "--config", str(config), "--threads", "0.05", "--json"]
+            ).output
+        )["threads"]
+        assert "other" in shares and all(share >= 0.0 for share in shares.values())
     finally:
         stop.set()
         thread.join(15)

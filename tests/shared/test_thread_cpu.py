@@ -3,7 +3,12 @@ import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from shared.thread_cpu import OTHER, ThreadCpuCollector, thread_cpu_seconds
+from shared.thread_cpu import (
+    OTHER,
+    ThreadCpuCollector,
+    scraped_thread_seconds,
+    thread_cpu_seconds,
+)
 
 
 def _burn(seconds: float) -> None:
@@ -75,3 +80,12 @@ def test_the_collector_exports_a_counter_per_thread() -> None:
     assert "# TYPE edgeloop_thread_cpu_seconds_total counter" in text
     assert 'edgeloop_thread_cpu_seconds_total{thread="MainThread"}' in text
     assert 'edgeloop_thread_cpu_seconds_total{thread="other"}' in text
+
+
+def test_a_scraped_page_gives_the_seconds_by_thread() -> None:
+    registry = CollectorRegistry()
+    registry.register(ThreadCpuCollector())
+    figures = scraped_thread_seconds(generate_latest(registry).decode())
+    assert set(figures) >= {"MainThread", OTHER}
+    assert all(seconds >= 0.0 for seconds in figures.values())
+    assert scraped_thread_seconds("# a page without the metric\nup 1\n") == {}
