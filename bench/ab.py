@@ -215,7 +215,9 @@ def verifier(sides: list[Side], rounds: int, samples: int, workers: int) -> str:
     return "\n\n".join(filter(None, [threads.table("sample"), summary]))
 
 
-def agent(sides: list[Side], model_key: str, routing: str, rounds: int) -> str:
+def agent(
+    sides: list[Side], model_key: str, routing: str, rounds: int, layout_text: str = ""
+) -> str:
     from bench import agent as bench_agent
     from shared.broker import free_port
 
@@ -226,7 +228,10 @@ def agent(sides: list[Side], model_key: str, routing: str, rounds: int) -> str:
     model = models[MODELS[model_key]]
     task, side_px = bench_agent._model_info(model)
     jpegs, _ = bench_agent._frames_for(task, side_px, 600)
-    layout = bench_agent.LAYOUTS[-1]  # a batch per core: the fastest for both camera models
+    layout = bench_agent.LAYOUTS[-1]  # a batch per core unless named
+    if layout_text:
+        intra, at_once = (int(x) for x in layout_text.split(","))
+        layout = bench_agent.Layout(intra, at_once)
     context = multiprocessing.get_context("spawn")
     client_end, client_child = context.Pipe()
     cloud_end, cloud_child = context.Pipe()
@@ -327,6 +332,13 @@ def main(argv: list[str] | None = None) -> None:
         else:
             sub.add_argument("--model", choices=sorted(MODELS), default="detector")
             sub.add_argument("--routing", choices=("off", "defaults", "all"), default="defaults")
+            sub.add_argument(
+                "--layout",
+                default="",
+                metavar="INTRA,THREADS",
+                help="ORT intra-op threads (0: one per core) and inference threads;"
+                " default 1,<cores>: a batch per core",
+            )
     args = parser.parse_args(argv)
     try:
         sides = [parse_side(args.a, "A"), parse_side(args.b, "B")]
@@ -337,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "verifier":
         print(verifier(sides, args.rounds, args.samples, args.workers))
     else:
-        print(agent(sides, args.model, args.routing, args.rounds))
+        print(agent(sides, args.model, args.routing, args.rounds, args.layout))
 
 
 if __name__ == "__main__":

@@ -9,10 +9,10 @@ Their named background threads:
 - ``inference-loop``  (:mod:`edge_agent.intake`) batches frames across sources and runs
                       the student (``inference_threads`` > 1: ``inference-loop-1`` ...
                       too, each with a batch of its own)
-- ``agent-post-*``    encodes and spools each batch's forwarded frames; with one
-                      inference thread, it also routes each inferred batch at once
-                      (one hand-over per batch) and answers its confident frames,
-                      which several inference threads do for their own batches
+- ``agent-post-*``    encodes and spools each batch's forwarded frames; when one
+                      inference thread feeds a GPU, it also routes each inferred batch
+                      (one hand-over per batch) and answers its confident frames, which
+                      inference threads on a CPU do for their own batches
 - ``spool-writer``    (:mod:`edge_agent.spool_writer`) stores forwarded samples a
                       micro-batch at a time (one transaction); a forwarded frame is
                       answered once its sample is committed, and the batch is published

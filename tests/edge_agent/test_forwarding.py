@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from edge_agent.agent import Agent, FrameResult
+from edge_agent.engine import OrtEngine
 from edge_agent.imaging import resize_for_model
 from edge_agent.settings import AgentSettings
 from edge_agent.testing import MemoryPublisher
@@ -21,8 +23,8 @@ def frames(n: int, size: tuple[int, int] = (40, 40)) -> list[np.ndarray]:
     return [rng.integers(0, 255, (*size, 3), dtype=np.uint8) for _ in range(n)]
 
 
-# One inference thread hands each batch to agent-post to be routed; several route their
-# own batches and hand agent-post only the forwarded frames.
+# Inference threads on a CPU route their own batches and hand agent-post only the
+# forwarded frames; one inference thread on a GPU hands each batch over to be routed.
 @pytest.mark.parametrize("inference_threads", [1, 2])
 def test_a_forwarded_answer_means_the_sample_is_spooled(
     make_settings: Callable[..., AgentSettings],
@@ -158,3 +160,40 @@ def test_a_batch_of_confident_and_forwarded_frames_routed_on_its_inference_threa
         assert 0 < len(forwarded) < 64  # both kinds in the same batches
         assert forwarded == set(agent.spool.ids())
         assert until(lambda: agent.forwarding._routing == 0)
+
+
+class _OnGpu:
+    """The test student, reporting a GPU provider."""
+
+    provider = "cuda"
+
+    def __init__(self, engine: OrtEngine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
+
+
+@pytest.mark.parametrize(("on_gpu", "routed_on"), [(False, "inference-loop"), (True, "agent-post")])
+def test_one_inference_thread_routes_its_batches_itself_on_a_cpu_and_hands_them_over_on_a_gpu(
+    make_settings: Callable[..., AgentSettings], engine: OrtEngine, on_gpu: bool, routed_on: str
+) -> None:
+    settings = make_settings(
+        max_batch=8, inference_threads=1, audit_share=0.0, route_max_prob_below=0.0
+    )
+    answered_on: list[str] = []
+    all_answered = threading.Event()
+
+    def reply(result: FrameResult | None, error: BaseException | None) -> None:
+        assert error is None and result is not None and not result.forwarded
+        answered_on.append(threading.current_thread().name)
+        if len(answered_on) == 16:
+            all_answered.set()
+
+    student = _OnGpu(engine) if on_gpu else engine
+    publisher = MemoryPublisher(connected=False)
+    with Agent(settings, engine=student, publisher=publisher) as agent:  # type: ignore[arg-type]
+        for frame in frames(16):
+            agent.answer_bgr(frame, reply, source="test")
+        assert all_answered.wait(30)
+    assert {name.rstrip("-0123456789") for name in answered_on} == {routed_on}
