@@ -74,7 +74,14 @@ import httpx
 import numpy as np
 import psutil
 
-from bench.common import BATCH_COUNT, BATCH_SUM, markdown_table, ready, thread_seconds
+from bench.common import (
+    BATCH_COUNT,
+    BATCH_SUM,
+    by_stage,
+    markdown_table,
+    ready,
+    thread_seconds,
+)
 from shared.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -641,7 +648,7 @@ def _http(
                     figures["http_batch_frames"] = (
                         after.get(BATCH_SUM, 0.0) - threads.get(BATCH_SUM, 0.0)
                     ) / max(batches, 1.0)
-                    used = _by_stage({k: v - threads.get(k, 0.0) for k, v in after.items()})
+                    used = by_stage({k: v - threads.get(k, 0.0) for k, v in after.items()})
                     for name, _ in HTTP_THREADS:
                         figures[f"http_cpu_us_{name}"] = max(used.get(name, 0.0), 0.0) / n * 1e6
                 else:
@@ -918,15 +925,6 @@ HTTP_THREADS = (
 )
 
 
-def _by_stage(seconds: dict[str, float]) -> dict[str, float]:
-    """Thread CPU by stage: a pool's threads (``name``, ``name-1``...) added up."""
-    stages: dict[str, float] = {}
-    for name, value in seconds.items():
-        stage = name.rstrip("0123456789").rstrip("-")
-        stages[stage] = stages.get(stage, 0.0) + value
-    return stages
-
-
 def _thread_cpu() -> dict[str, float]:
     """CPU seconds of this process's threads so far, by stage (threads Python did not
     start, such as ORT's and OpenCV's, as "native")."""
@@ -934,7 +932,7 @@ def _thread_cpu() -> dict[str, float]:
 
     seconds = thread_cpu_seconds()
     seconds["native"] = seconds.pop(OTHER)
-    return _by_stage(seconds)
+    return by_stage(seconds)
 
 
 def _video_window(

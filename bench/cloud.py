@@ -61,7 +61,7 @@ import psutil
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.engine import make_url
 
-from bench.common import markdown_table, thread_seconds
+from bench.common import by_stage, markdown_table, thread_seconds
 from bench.envelope import typical_sample
 from cloud_service.batcher import BatcherConfig, DynamicBatcher
 from cloud_service.db.models import Sample, Verdict
@@ -912,14 +912,10 @@ def run(quick: bool = False) -> dict[str, Any]:
 def _per_sample_by_stage(
     before: dict[str, float], after: dict[str, float], samples: int
 ) -> dict[str, float]:
-    """Milliseconds of CPU per sample by verifier stage over one round: each thread's
-    CPU (``edgeloop_thread_cpu_seconds``), a pool's threads (decode_0, decode_1) added up."""
-    stages: dict[str, float] = {}
-    for name, seconds in after.items():
-        stage = name.rstrip("0123456789").rstrip("_-")
-        used = max(seconds - before.get(name, 0.0), 0.0)
-        stages[stage] = stages.get(stage, 0.0) + used / samples * 1e3
-    return stages
+    """Milliseconds of CPU per sample by verifier stage over one round, from each thread's
+    CPU (``edgeloop_thread_cpu_seconds``) before and after it."""
+    used = {name: max(value - before.get(name, 0.0), 0.0) for name, value in after.items()}
+    return {stage: value / samples * 1e3 for stage, value in by_stage(used).items()}
 
 
 def _thread_table(by_workers: dict[int, dict[str, float]]) -> str:

@@ -124,3 +124,13 @@ def thread_seconds(urls: list[str]) -> dict[str, float]:
             for key, value in figures.items():
                 totals[key] = totals.get(key, 0.0) + value
     return totals
+
+
+def by_stage(seconds: dict[str, float]) -> dict[str, float]:
+    """Thread CPU by stage: a pool's threads (``decode_0``, ``decode_1``; ``inference-loop``,
+    ``inference-loop-1``) added up under the name without its number."""
+    stages: dict[str, float] = {}
+    for name, value in seconds.items():
+        stage = name.rstrip("0123456789").rstrip("_-")
+        stages[stage] = stages.get(stage, 0.0) + value
+    return stages

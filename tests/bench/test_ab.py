@@ -55,3 +55,14 @@ def test_a_side_without_thread_figures_adds_no_table() -> None:
     threads = ThreadCpu([Side("A", Path("."), {})])
     threads.add("A", {}, {}, 100)
     assert threads.table("frame") == ""
+
+
+def test_a_pools_threads_add_up_under_its_stage() -> None:
+    from bench.common import by_stage
+
+    seconds = {"decode_0": 1.0, "decode_1": 2.0, "inference-loop": 0.5, "inference-loop-1": 0.25}
+    assert by_stage({**seconds, "spool-writer": 0.1}) == {
+        "decode": 3.0,
+        "inference-loop": 0.75,
+        "spool-writer": 0.1,
+    }
