@@ -3,6 +3,7 @@
     git worktree add /tmp/edgeloop-base HEAD~1
     python -m bench.ab verifier --rounds 8 /tmp/edgeloop-base .
     python -m bench.ab agent --model detector --routing defaults --rounds 6 /tmp/edgeloop-base .
+    python -m bench.ab agent --source video --layout 0,1 /tmp/edgeloop-base .
     python -m bench.ab verifier A=. B=.:EDGELOOP_VERIFIER_GC_YOUNG_EVERY=0
 
 A change that moves a figure by a few percent hides in the noise of one host between
@@ -21,12 +22,16 @@ come from here; the goals come from ``make bench``.
   layout for a camera-sized student, with the bench's load generator and, when it
   forwards, the bench's stand-in cloud answering both; a round is one burst of the
   model's frames to one side (after its last forwarded samples settled). Per side:
-  the agent's CPU per frame, and frames per second.
+  the agent's CPU per frame, and frames per second. With ``--source video``, a round
+  is instead one side's agent reading the bench's clip with a camera source for a
+  window (``bench.agent``'s video window, in a process of the side's checkout), the
+  stand-in cloud in that process.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import re
@@ -124,33 +129,17 @@ class ThreadCpu:
 
     def table(self, unit: str) -> str:
         """Milliseconds per ``unit`` by thread, a column per side, busiest first."""
-        names = list(self.seconds)
         per_unit = {
             name: {t: s / max(self.units[name], 1) * 1e3 for t, s in self.seconds[name].items()}
-            for name in names
+            for name in self.seconds
         }
-        threads = sorted(
-            {t for figures in per_unit.values() for t in figures},
-            key=lambda t: -max(figures.get(t, 0.0) for figures in per_unit.values()),
-        )
-        if not threads:
-            return ""
-        header, batch_label = f"CPU ms per {unit} by thread", "frames per inference batch"
-        width = max(len(t) for t in [*threads, header, batch_label])
-        lines = [header.ljust(width) + "".join(f"{n:>10}" for n in names)]
-        for thread in threads:
-            cells = "".join(
-                f"{per_unit[n][thread]:>10.3f}" if thread in per_unit[n] else f"{'-':>10}"
-                for n in names
-            )
-            lines.append(thread.ljust(width) + cells)
+        batches = None
         if any(b[BATCH_COUNT] for b in self.batches.values()):
-            cells = "".join(
-                f"{b[BATCH_SUM] / b[BATCH_COUNT]:>10.2f}" if b[BATCH_COUNT] else f"{'-':>10}"
-                for b in self.batches.values()
-            )
-            lines.append(batch_label.ljust(width) + cells)
-        return "\n".join(lines)
+            batches = {
+                name: b[BATCH_SUM] / b[BATCH_COUNT] if b[BATCH_COUNT] else None
+                for name, b in self.batches.items()
+            }
+        return _thread_table(per_unit, f"CPU ms per {unit} by thread", batches)
 
 
 def verifier(sides: list[Side], rounds: int, samples: int, workers: int) -> str:
@@ -228,10 +217,7 @@ def agent(
     model = models[MODELS[model_key]]
     task, side_px = bench_agent._model_info(model)
     jpegs, _ = bench_agent._frames_for(task, side_px, 600)
-    layout = bench_agent.LAYOUTS[-1]  # a batch per core unless named
-    if layout_text:
-        intra, at_once = (int(x) for x in layout_text.split(","))
-        layout = bench_agent.Layout(intra, at_once)
+    layout = _layout(layout_text)
     context = multiprocessing.get_context("spawn")
     client_end, client_child = context.Pipe()
     cloud_end, cloud_child = context.Pipe()
@@ -318,6 +304,113 @@ def agent(
     return "\n\n".join(filter(None, [threads.table("frame"), summary]))
 
 
+_VIDEO_WINDOW = """
+import json, sys
+from pathlib import Path
+from bench import agent as B
+model, clip, window, routing, intra, at_once = sys.argv[1:7]
+figures = B._video_window(
+    Path(model), Path(clip), float(window), routing=routing,
+    layout=B.Layout(int(intra), int(at_once)),
+)
+print(json.dumps(figures))
+"""
+
+
+def video(
+    sides: list[Side], model_key: str, routing: str, rounds: int, layout_text: str = ""
+) -> str:
+    """Each side's agent reading the bench's clip with a camera source (``bench.agent``'s
+    video window, in a process importing from the side's checkout), rounds alternating."""
+    from bench import agent as bench_agent
+
+    workdir = Path(tempfile.mkdtemp(prefix="edgeloop-ab-"))
+    models = dict(bench_agent._models(workdir))
+    if MODELS[model_key] not in models:
+        raise SystemExit(f"{MODELS[model_key]} is not built here (edgeloop models bootstrap)")
+    model = models[MODELS[model_key]]
+    task, side_px = bench_agent._model_info(model)
+    jpegs, _ = bench_agent._frames_for(task, side_px, 64)
+    clip = bench_agent._video(workdir / "clip.avi", jpegs)
+    layout = _layout(layout_text)
+    cost: dict[str, list[float]] = {side.name: [] for side in sides}
+    rate: dict[str, list[float]] = {side.name: [] for side in sides}
+    threads: dict[str, dict[str, list[float]]] = {side.name: {} for side in sides}
+    for i in range(rounds):
+        for side in sides if i % 2 == 0 else sides[::-1]:
+            command = [
+                sys.executable,
+                "-c",
+                _VIDEO_WINDOW,
+                *(str(x) for x in (model, clip, 3.0, routing)),
+                *(str(x) for x in (layout.intra_op_threads, layout.inference_threads)),
+            ]
+            done = subprocess.run(
+                command,
+                env=side_env(side, {**os.environ, "PYTHONUNBUFFERED": "1"}),
+                cwd=side.tree,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=True,
+            )
+            figures = json.loads(done.stdout.strip().splitlines()[-1])
+            cost[side.name].append(figures["video_cpu_ms_per_frame"])
+            rate[side.name].append(figures["video_fps"])
+            for key, value in figures.items():
+                if key.startswith("video_cpu_us_"):
+                    threads[side.name].setdefault(key[len("video_cpu_us_") :], []).append(value)
+        print(i, {name: round(c[-1], 3) for name, c in cost.items()}, flush=True)
+    by_thread = {
+        name: {thread: statistics.median(v) / 1e3 for thread, v in figures.items()}
+        for name, figures in threads.items()
+    }
+    summary = _summary(cost, rate, "agent CPU ms per frame on video")
+    table = _thread_table(by_thread, "CPU ms per frame by thread (medians)")
+    return "\n\n".join(filter(None, [table, summary]))
+
+
+def _layout(text: str) -> Any:
+    """``INTRA,THREADS`` as the bench's Layout; empty: a batch per core."""
+    from bench import agent as bench_agent
+
+    if not text:
+        return bench_agent.LAYOUTS[-1]
+    intra, at_once = (int(x) for x in text.split(","))
+    return bench_agent.Layout(intra, at_once)
+
+
+def _thread_table(
+    by_thread: dict[str, dict[str, float]],
+    header: str,
+    batches: dict[str, float | None] | None = None,
+) -> str:
+    """A column per side of milliseconds by thread, busiest first; with ``batches``, a
+    last row of each side's frames per inference batch. Empty when there are no threads."""
+    names = list(by_thread)
+    threads = sorted(
+        {t for figures in by_thread.values() for t in figures},
+        key=lambda t: -max(figures.get(t, 0.0) for figures in by_thread.values()),
+    )
+    if not threads:
+        return ""
+    batch_label = "frames per inference batch"
+    width = max(len(t) for t in [*threads, header, batch_label])
+    lines = [header.ljust(width) + "".join(f"{n:>10}" for n in names)]
+    for thread in threads:
+        cells = "".join(
+            f"{by_thread[n][thread]:>10.3f}" if thread in by_thread[n] else f"{'-':>10}"
+            for n in names
+        )
+        lines.append(thread.ljust(width) + cells)
+    if batches is not None:
+        cells = "".join(
+            f"{batches[n]:>10.2f}" if batches.get(n) is not None else f"{'-':>10}" for n in names
+        )
+        lines.append(batch_label.ljust(width) + cells)
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -339,6 +432,12 @@ def main(argv: list[str] | None = None) -> None:
                 help="ORT intra-op threads (0: one per core) and inference threads;"
                 " default 1,<cores>: a batch per core",
             )
+            sub.add_argument(
+                "--source",
+                choices=("http", "video"),
+                default="http",
+                help="frames over HTTP (edge-agent run), or a camera source reading a clip",
+            )
     args = parser.parse_args(argv)
     try:
         sides = [parse_side(args.a, "A"), parse_side(args.b, "B")]
@@ -349,7 +448,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "verifier":
         print(verifier(sides, args.rounds, args.samples, args.workers))
     else:
-        print(agent(sides, args.model, args.routing, args.rounds, args.layout))
+        run = video if args.source == "video" else agent
+        print(run(sides, args.model, args.routing, args.rounds, args.layout))
 
 
 if __name__ == "__main__":

@@ -66,3 +66,11 @@ def test_a_pools_threads_add_up_under_its_stage() -> None:
         "inference-loop": 0.75,
         "spool-writer": 0.1,
     }
+
+
+def test_a_layout_is_named_as_intra_op_and_inference_threads() -> None:
+    from bench.ab import _layout
+    from bench.agent import LAYOUTS, Layout
+
+    assert _layout("0,1") == Layout(0, 1)
+    assert _layout("") == LAYOUTS[-1]  # a batch per core unless named
