@@ -204,11 +204,10 @@ def verifier(sides: list[Side], rounds: int, samples: int, workers: int) -> str:
     return "\n\n".join(filter(None, [threads.table("sample"), summary]))
 
 
-def agent(
-    sides: list[Side], model_key: str, routing: str, rounds: int, layout_text: str = ""
-) -> str:
+def _model_and_frames(model_key: str, frames: int) -> tuple[Path, Path, str, list[bytes]]:
+    """A work folder, the model ``model_key`` names (built in the model cache), its task,
+    and ``frames`` of the bench's JPEG frames for it."""
     from bench import agent as bench_agent
-    from shared.broker import free_port
 
     workdir = Path(tempfile.mkdtemp(prefix="edgeloop-ab-"))
     models = dict(bench_agent._models(workdir))
@@ -216,7 +215,17 @@ def agent(
         raise SystemExit(f"{MODELS[model_key]} is not built here (edgeloop models bootstrap)")
     model = models[MODELS[model_key]]
     task, side_px = bench_agent._model_info(model)
-    jpegs, _ = bench_agent._frames_for(task, side_px, 600)
+    jpegs, _ = bench_agent._frames_for(task, side_px, frames)
+    return workdir, model, task, jpegs
+
+
+def agent(
+    sides: list[Side], model_key: str, routing: str, rounds: int, layout_text: str = ""
+) -> str:
+    from bench import agent as bench_agent
+    from shared.broker import free_port
+
+    workdir, model, task, jpegs = _model_and_frames(model_key, 600)
     layout = _layout(layout_text)
     context = multiprocessing.get_context("spawn")
     client_end, client_child = context.Pipe()
@@ -324,13 +333,7 @@ def video(
     video window, in a process importing from the side's checkout), rounds alternating."""
     from bench import agent as bench_agent
 
-    workdir = Path(tempfile.mkdtemp(prefix="edgeloop-ab-"))
-    models = dict(bench_agent._models(workdir))
-    if MODELS[model_key] not in models:
-        raise SystemExit(f"{MODELS[model_key]} is not built here (edgeloop models bootstrap)")
-    model = models[MODELS[model_key]]
-    task, side_px = bench_agent._model_info(model)
-    jpegs, _ = bench_agent._frames_for(task, side_px, 64)
+    workdir, model, _task, jpegs = _model_and_frames(model_key, 64)
     clip = bench_agent._video(workdir / "clip.avi", jpegs)
     layout = _layout(layout_text)
     cost: dict[str, list[float]] = {side.name: [] for side in sides}
