@@ -48,7 +48,7 @@ from typing import Any
 
 import psutil
 
-from bench.common import BATCH_COUNT, BATCH_SUM, thread_seconds
+from bench.common import Scrape, scrape
 
 __all__ = ["Side", "parse_side", "side_env"]
 
@@ -114,17 +114,18 @@ class ThreadCpu:
     def __init__(self, sides: list[Side]) -> None:
         self.seconds: dict[str, dict[str, float]] = {side.name: {} for side in sides}
         self.units: dict[str, int] = {side.name: 0 for side in sides}
-        self.batches = {side.name: {BATCH_SUM: 0.0, BATCH_COUNT: 0.0} for side in sides}
+        self.batches = {side.name: Scrape() for side in sides}
 
-    def add(
-        self, side: str, before: Mapping[str, float], after: Mapping[str, float], units: int
-    ) -> None:
+    def add(self, side: str, used: Scrape, units: int) -> None:
+        """``used``: what one round of ``units`` frames or samples cost the side."""
         totals = self.seconds[side]
-        for key in (BATCH_SUM, BATCH_COUNT):
-            self.batches[side][key] += after.get(key, 0.0) - before.get(key, 0.0)
-        after = {k: v for k, v in after.items() if k not in (BATCH_SUM, BATCH_COUNT)}
-        for thread, seconds in after.items():
-            totals[thread] = totals.get(thread, 0.0) + seconds - before.get(thread, 0.0)
+        for thread, seconds in used.threads.items():
+            totals[thread] = totals.get(thread, 0.0) + seconds
+        so_far = self.batches[side]
+        self.batches[side] = Scrape(
+            batch_frames=so_far.batch_frames + used.batch_frames,
+            batches=so_far.batches + used.batches,
+        )
         self.units[side] += units
 
     def table(self, unit: str) -> str:
@@ -134,9 +135,9 @@ class ThreadCpu:
             for name in self.seconds
         }
         batches = None
-        if any(b[BATCH_COUNT] for b in self.batches.values()):
+        if any(b.batches for b in self.batches.values()):
             batches = {
-                name: b[BATCH_SUM] / b[BATCH_COUNT] if b[BATCH_COUNT] else None
+                name: b.batch_frames / b.batches if b.batches else None
                 for name, b in self.batches.items()
             }
         return _thread_table(per_unit, f"CPU ms per {unit} by thread", batches)
@@ -192,11 +193,11 @@ def verifier(sides: list[Side], rounds: int, samples: int, workers: int) -> str:
         for i in range(rounds):
             for name, topics, process in running if i % 2 == 0 else running[::-1]:
                 urls = [f"http://127.0.0.1:{process.port + w}/metrics" for w in range(workers)]
-                before = thread_seconds(urls)
+                before = scrape(urls)
                 seconds, used = cloud._processes_end_to_end(
                     topics, samples, protocol, tree=process.pid
                 )
-                threads.add(name, before, thread_seconds(urls), samples)
+                threads.add(name, scrape(urls).since(before), samples)
                 cost[name].append(used["verifier"])
                 rate[name].append(samples / seconds)
             print(i, {name: round(c[-1], 3) for name, c in cost.items()}, flush=True)
@@ -286,7 +287,7 @@ def agent(
                 if routing != "off":
                     bench_agent._settle(port)
                 metrics = [f"http://127.0.0.1:{port}/metrics"]
-                threads_before = thread_seconds(metrics)
+                threads_before = scrape(metrics)
                 before = sum(watched.cpu_times()[:2])
                 client_end.send(("burst", port))
                 seconds, _latencies, errors, _client_cpu = bench_agent._answer(client_end, client)
@@ -295,7 +296,7 @@ def agent(
                 if routing != "off":  # its forwarded samples' work, until receipted
                     bench_agent._settle(port)
                 cost[name].append((sum(watched.cpu_times()[:2]) - before) / len(jpegs) * 1e3)
-                threads.add(name, threads_before, thread_seconds(metrics), len(jpegs))
+                threads.add(name, scrape(metrics).since(threads_before), len(jpegs))
                 rate[name].append(len(jpegs) / seconds)
             print(i, {name: round(c[-1], 3) for name, c in cost.items()}, flush=True)
         client_end.send(("stop", 0))

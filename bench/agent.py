@@ -74,14 +74,7 @@ import httpx
 import numpy as np
 import psutil
 
-from bench.common import (
-    BATCH_COUNT,
-    BATCH_SUM,
-    by_stage,
-    markdown_table,
-    ready,
-    thread_seconds,
-)
+from bench.common import Scrape, by_stage, markdown_table, ready, scrape
 from shared.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -625,7 +618,7 @@ def _http(
             for key, (server, port) in servers.items():
                 answers_cloud = key == "http"  # the stand-in answers only this agent
                 metrics = [f"http://127.0.0.1:{port}/metrics"]
-                threads = thread_seconds(metrics) if answers_cloud else {}
+                threads = scrape(metrics) if answers_cloud else Scrape()
                 server_cpu = sum(server.cpu_times()[:2])
                 cloud_cpu = _cloud_count(cloud_parent, cloud)[1] if answers_cloud else 0.0
                 parent.send(("burst", port))
@@ -643,14 +636,11 @@ def _http(
                     figures["cloud_cpu_share"] = cloud_cpu / (seconds * cores)
                     figures["agent_cpu_share"] = server_cpu / (seconds * cores)
                     figures["agent_cpu_ms_per_frame"] = server_cpu / n * 1e3
-                    after = thread_seconds(metrics)
-                    batches = after.get(BATCH_COUNT, 0.0) - threads.get(BATCH_COUNT, 0.0)
-                    figures["http_batch_frames"] = (
-                        after.get(BATCH_SUM, 0.0) - threads.get(BATCH_SUM, 0.0)
-                    ) / max(batches, 1.0)
-                    used = by_stage({k: v - threads.get(k, 0.0) for k, v in after.items()})
+                    used = scrape(metrics).since(threads)
+                    figures["http_batch_frames"] = used.batch_frames / max(used.batches, 1.0)
+                    stages = by_stage(used.threads)
                     for name, _ in HTTP_THREADS:
-                        figures[f"http_cpu_us_{name}"] = max(used.get(name, 0.0), 0.0) / n * 1e6
+                        figures[f"http_cpu_us_{name}"] = stages.get(name, 0.0) / n * 1e6
                 else:
                     figures[f"{key}_vs_raw_decode"] = raw_s["raw_decode"] / seconds
                     figures[f"{key}_cpu_ms_per_frame"] = server_cpu / n * 1e3

@@ -61,7 +61,7 @@ import psutil
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.engine import make_url
 
-from bench.common import by_stage, markdown_table, thread_seconds
+from bench.common import Scrape, by_stage, markdown_table, scrape
 from bench.envelope import typical_sample
 from cloud_service.batcher import BatcherConfig, DynamicBatcher
 from cloud_service.db.models import Sample, Verdict
@@ -786,14 +786,12 @@ def run(quick: bool = False) -> dict[str, Any]:
                     with processes:
                         _processes_end_to_end(topics, 300, protocol)  # warm-up
                         for _ in range(repeats):
-                            threads_before = thread_seconds(metrics)
+                            threads_before = scrape(metrics)
                             elapsed, cpu_used = _processes_end_to_end(
                                 topics, steady, protocol, tree=processes.pid
                             )
                             runs_threads.append(
-                                _per_sample_by_stage(
-                                    threads_before, thread_seconds(metrics), steady
-                                )
+                                _per_sample_by_stage(scrape(metrics).since(threads_before), steady)
                             )
                             deployed_rates.append(steady / elapsed)
                             raw_rate, _raw_used = _raw_pubsub(
@@ -909,13 +907,10 @@ def run(quick: bool = False) -> dict[str, Any]:
     return {"figures": figures, "tables": tables}
 
 
-def _per_sample_by_stage(
-    before: dict[str, float], after: dict[str, float], samples: int
-) -> dict[str, float]:
-    """Milliseconds of CPU per sample by verifier stage over one round, from each thread's
-    CPU (``edgeloop_thread_cpu_seconds``) before and after it."""
-    used = {name: max(value - before.get(name, 0.0), 0.0) for name, value in after.items()}
-    return {stage: value / samples * 1e3 for stage, value in by_stage(used).items()}
+def _per_sample_by_stage(used: Scrape, samples: int) -> dict[str, float]:
+    """Milliseconds of CPU per sample by verifier stage over one round (``used``: what
+    each thread's CPU, ``edgeloop_thread_cpu_seconds``, grew by)."""
+    return {stage: value / samples * 1e3 for stage, value in by_stage(used.threads).items()}
 
 
 def _thread_table(by_workers: dict[int, dict[str, float]]) -> str:

@@ -8,12 +8,13 @@ import statistics
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.thread_cpu import scraped_thread_seconds
+from shared.thread_cpu import METRIC as THREAD_CPU
 
 
 def median_seconds(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 1) -> float:
@@ -102,28 +103,41 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-BATCH_SUM = "batch frames"  # the agent's inference batches: frames, batches so far
-BATCH_COUNT = "batches"
+@dataclass(frozen=True)
+class Scrape:
+    """What services' ``/metrics`` say so far: CPU seconds by thread name
+    (``edgeloop_thread_cpu_seconds``; empty for a checkout without it), and an agent's
+    inference batches (the frames in them, and how many)."""
+
+    threads: dict[str, float] = field(default_factory=dict)
+    batch_frames: float = 0.0
+    batches: float = 0.0
+
+    def since(self, before: Scrape) -> Scrape:
+        """What happened between ``before`` and this scrape."""
+        return Scrape(
+            {t: max(v - before.threads.get(t, 0.0), 0.0) for t, v in self.threads.items()},
+            self.batch_frames - before.batch_frames,
+            self.batches - before.batches,
+        )
 
 
-def thread_seconds(urls: list[str]) -> dict[str, float]:
-    """CPU seconds by thread name (``edgeloop_thread_cpu_seconds``) of the processes whose
-    ``/metrics`` are ``urls``, added up by name (empty for a checkout without them), and
-    an agent's inference batches so far (``BATCH_SUM`` frames in ``BATCH_COUNT``)."""
-    totals: dict[str, float] = {}
+def scrape(urls: list[str]) -> Scrape:
+    """The processes whose ``/metrics`` are ``urls``, added up (threads by name)."""
+    threads: dict[str, float] = {}
+    batch_frames = batches = 0.0
     with httpx.Client(timeout=10.0) as http:
         for url in urls:
-            text = http.get(url).text
-            figures = scraped_thread_seconds(text)
-            for family in text_string_to_metric_families(text):
+            for family in text_string_to_metric_families(http.get(url).text):
                 for sample in family.samples:
-                    if sample.name == "edgeloop_agent_batch_size_sum":
-                        figures[BATCH_SUM] = sample.value
+                    if sample.name == f"{THREAD_CPU}_total":
+                        name = sample.labels["thread"]
+                        threads[name] = threads.get(name, 0.0) + sample.value
+                    elif sample.name == "edgeloop_agent_batch_size_sum":
+                        batch_frames += sample.value
                     elif sample.name == "edgeloop_agent_batch_size_count":
-                        figures[BATCH_COUNT] = sample.value
-            for key, value in figures.items():
-                totals[key] = totals.get(key, 0.0) + value
-    return totals
+                        batches += sample.value
+    return Scrape(threads, batch_frames, batches)
 
 
 def by_stage(seconds: dict[str, float]) -> dict[str, float]:

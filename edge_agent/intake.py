@@ -332,9 +332,10 @@ class Intake:
         # cores are what inference, decoding and routing share, and handing a batch to
         # another thread only adds a wake-up (the reference detector behind HTTP with
         # several inference threads, alternating pairs: 2.11-2.29 ms per frame routed
-        # here against 2.25-2.36 handed over; on video with one inference thread on both
-        # cores, 1458-1484 frames/s against 1327-1435). With one inference thread on a
-        # GPU, the batch is handed over, so the device gets its next batch at once.
+        # here against 2.25-2.36 handed over; with one inference thread on both cores,
+        # `python -m bench.ab agent --layout 0,1`: video 1298 against 1201 frames/s, HTTP
+        # 1018 against 992). With one inference thread on a GPU, the batch is handed
+        # over, so the device gets its next batch at once.
         # Forwarded frames are encoded and spooled on agent-post either way.
         jobs: list[_Job] = batch.jobs
         if batch.error is not None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench.ab import Side, ThreadCpu, parse_side, side_env
+from bench.common import Scrape
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 
@@ -38,10 +39,12 @@ def test_a_malformed_side_is_refused(text: str, message: str) -> None:
 def test_thread_cpu_is_reported_per_unit_by_thread_busiest_first() -> None:
     sides = [Side("A", Path("."), {}), Side("B", Path("."), {})]
     threads = ThreadCpu(sides)
-    threads.add("A", {"decode": 1.0, "other": 2.0}, {"decode": 1.5, "other": 2.1}, 500)
-    threads.add("A", {"decode": 1.5, "other": 2.1}, {"decode": 2.0, "other": 2.2}, 500)
+    first = Scrape({"decode": 1.0, "other": 2.0})
+    second = Scrape({"decode": 1.5, "other": 2.1})
+    threads.add("A", second.since(first), 500)
+    threads.add("A", Scrape({"decode": 2.0, "other": 2.2}).since(second), 500)
     threads.add(
-        "B", {}, {"decode": 0.8, "verdicts": 0.05, "batches": 200, "batch frames": 1000}, 1000
+        "B", Scrape({"decode": 0.8, "verdicts": 0.05}, batch_frames=1000, batches=200), 1000
     )
     lines = threads.table("sample").splitlines()
     assert lines[0].split()[-2:] == ["A", "B"]
@@ -53,7 +56,7 @@ def test_thread_cpu_is_reported_per_unit_by_thread_busiest_first() -> None:
 
 def test_a_side_without_thread_figures_adds_no_table() -> None:
     threads = ThreadCpu([Side("A", Path("."), {})])
-    threads.add("A", {}, {}, 100)
+    threads.add("A", Scrape(), 100)
     assert threads.table("frame") == ""
 
 
