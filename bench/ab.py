@@ -5,6 +5,8 @@
     python -m bench.ab agent --model detector --routing defaults --rounds 6 /tmp/edgeloop-base .
     python -m bench.ab agent --source video --layout 0,1 /tmp/edgeloop-base .
     python -m bench.ab verifier A=. B=.:EDGELOOP_VERIFIER_GC_YOUNG_EVERY=0
+    python -m bench.ab agent --source video one=. \
+        per-core=.:EDGELOOP_INFERENCE_THREADS=2,EDGELOOP_INTRA_OP_THREADS=1
 
 A change that moves a figure by a few percent hides in the noise of one host between
 runs; run alternately on the same host, two processes see the same noise. Each side
@@ -25,7 +27,8 @@ come from here; the goals come from ``make bench``.
   the agent's CPU per frame, and frames per second. With ``--source video``, a round
   is instead one side's agent reading the bench's clip with a camera source for a
   window (``bench.agent``'s video window, in a process of the side's checkout), the
-  stand-in cloud in that process.
+  stand-in cloud in that process. A side's ``EDGELOOP_INFERENCE_THREADS`` and
+  ``EDGELOOP_INTRA_OP_THREADS`` win over ``--layout`` on either source.
 """
 
 from __future__ import annotations
@@ -315,10 +318,13 @@ def agent(
 
 
 _VIDEO_WINDOW = """
-import json, sys
+import json, os, sys
 from pathlib import Path
 from bench import agent as B
 model, clip, window, routing, intra, at_once = sys.argv[1:7]
+# A side's own layout settings win, as they do over the HTTP agent's config file.
+intra = os.environ.get("EDGELOOP_INTRA_OP_THREADS", intra)
+at_once = os.environ.get("EDGELOOP_INFERENCE_THREADS", at_once)
 figures = B._video_window(
     Path(model), Path(clip), float(window), routing=routing,
     layout=B.Layout(int(intra), int(at_once)),

@@ -2,10 +2,12 @@
 
     python -m bench.run --only agent        # or: python -m bench.agent [--quick] [--no-video]
 
-Side by side on the same frames and the same session and thread settings, in the
-ORT layout the raw loop runs fastest in (``fastest_layout``: one batch at a time on
-ORT's intra-op threads, one per core; or a batch per core at once, each on one
-thread, the agent's ``inference_threads``):
+Side by side on the same frames and the same session and thread settings, the raw
+loops in the ORT layout they run fastest in (``fastest_layout``: one batch at a time
+on ORT's intra-op threads, one per core; or a batch per core at once, each on one
+thread, the agent's ``inference_threads``), the agent in the one ``edge-agent tune``
+picks for it of the same two (``agent_layout``; the two can differ where the raw
+loops tie):
 
 * raw ORT on the same JPEG frames (camera-like 320x240 frames; for the detector,
   scenes of the scenario it was trained on, at its input size, which it forwards
@@ -540,10 +542,16 @@ def _wait_ready(process: Any, port: int, timeout: float = 60.0) -> None:
 
 
 def _http(
-    model: Path, jpegs: list[bytes], repeats: int, workdir: Path, layout: Layout = DEFAULT_LAYOUT
+    model: Path,
+    jpegs: list[bytes],
+    repeats: int,
+    workdir: Path,
+    layout: Layout = DEFAULT_LAYOUT,
+    served: Layout | None = None,
 ) -> dict[str, float]:
     """The agent behind HTTP and the raw loops, interleaved round by round (a noisy host
-    then slows both sides of each ratio alike); medians over the rounds.
+    then slows both sides of each ratio alike); medians over the rounds. The raw loops
+    run in ``layout``, the agents in ``served`` (default: the same).
 
     Each round also sends a burst to the agent's twins with routing off (nothing
     forwarded) and with every frame forwarded, and to a bare server (``bare_app``: the
@@ -552,9 +560,10 @@ def _http(
     """
     task, _side = _model_info(model)
     raw_loops = _raw_loops(model, jpegs, layout)
-    agent_process, agent_port = _start_agent(model, workdir / "agent", layout)
-    twin_process, twin_port = _start_agent(model, workdir / "unforwarded", layout, routing="off")
-    all_process, all_port = _start_agent(model, workdir / "forward-all", layout, routing="all")
+    served = served or layout
+    agent_process, agent_port = _start_agent(model, workdir / "agent", served)
+    twin_process, twin_port = _start_agent(model, workdir / "unforwarded", served, routing="off")
+    all_process, all_port = _start_agent(model, workdir / "forward-all", served, routing="all")
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     client: Any = None
@@ -594,7 +603,7 @@ def _http(
             if _answer(cloud_parent, cloud) != "ready":
                 raise RuntimeError("the stand-in cloud did not start")
         client = context.Process(
-            target=_client_main, args=(jpegs, layout.clients, child), name="bench-load"
+            target=_client_main, args=(jpegs, served.clients, child), name="bench-load"
         )
         client.start()
         if _answer(parent, client) != "ready":
@@ -1076,8 +1085,10 @@ def _video_rounds(
     repeats: int,
     window_s: float,
     layout: Layout = DEFAULT_LAYOUT,
+    served: Layout | None = None,
 ) -> dict[str, float]:
-    """The agent's camera source and the raw loops on the same clip, round by round.
+    """The agent's camera source (in layout ``served``, default ``layout``) and the raw
+    loops (in ``layout``) on the same clip, round by round.
 
     Each round times the raw loops on ``n`` frames, then starts an agent on the clip,
     times one window and stops it (then once more with nothing forwarded), so the two
@@ -1085,6 +1096,7 @@ def _video_rounds(
     and ratios (per round) are medians.
     """
     loops = _raw_video_loops(model, video, n, layout)
+    served = served or layout
     for loop in loops.values():
         loop()  # warm-up
     rounds: list[dict[str, float]] = []
@@ -1094,11 +1106,11 @@ def _video_rounds(
             wall, cpu = _timed(loop)
             figures[f"{name}_fps"] = n / wall
             figures[f"{name}_cpu_ms_per_frame"] = cpu / n * 1e3
-        figures.update(_video_window(model, video, window_s, layout=layout))
-        unforwarded = _video_window(model, video, window_s, routing="off", layout=layout)
+        figures.update(_video_window(model, video, window_s, layout=served))
+        unforwarded = _video_window(model, video, window_s, routing="off", layout=served)
         figures["video_unforwarded_fps"] = unforwarded["video_fps"]
         figures["video_unforwarded_cpu_ms_per_frame"] = unforwarded["video_cpu_ms_per_frame"]
-        every = _video_window(model, video, window_s, routing="all", layout=layout)
+        every = _video_window(model, video, window_s, routing="all", layout=served)
         figures["video_forward_all_cpu_ms_per_frame"] = every["video_cpu_ms_per_frame"]
         figures["video_forward_all_rate"] = every["video_forward_rate"]
         # Goal 2 on video: the CPU per forwarded sample (the frame's JPEG included).
@@ -1136,6 +1148,11 @@ def _layout_fps(seconds: dict[str, float], n: int) -> str:
     return "; ".join(f"{label}: {n / s:.0f}" for label, s in seconds.items())
 
 
+def _tuned_fps(fps: dict[str, float]) -> str:
+    """Each layout's frames/s in ``edge-agent tune`` ("-" when the layout was named)."""
+    return "; ".join(f"{label}: {value:.0f}" for label, value in fps.items()) or "-"
+
+
 def fastest_layout(
     build: Callable[..., dict[str, Callable[[], object]]],
     *args: Any,
@@ -1159,6 +1176,51 @@ def fastest_layout(
     medians = {layout: statistics.median(s) for layout, s in seconds.items()}
     best = min(medians, key=lambda layout: medians[layout])
     return best, {layout.label: medians[layout] for layout in LAYOUTS}
+
+
+def agent_layout(
+    model: Path, jpegs: list[bytes], *, seconds: float, rounds: int = 3
+) -> tuple[Layout, dict[str, float]]:
+    """The layout ``edge-agent tune`` picks for the agent on ``model`` and ``jpegs`` (its
+    whole pipeline, the task's default routing), with each layout's frames/s. The raw
+    loops tie between layouts on some models while the agent does not: each side is
+    measured in its own fastest. ``BENCH_LAYOUT`` names one layout for both."""
+    from edge_agent.settings import AgentSettings
+    from edge_agent.tuning import Layout as TunedLayout
+    from edge_agent.tuning import tune
+
+    forced = os.environ.get("BENCH_LAYOUT")
+    if forced:
+        intra, threads = (int(x) for x in forced.split(","))
+        return Layout(intra, threads), {}
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = AgentSettings(
+            data_dir=Path(tmp),
+            model_path=model,
+            fleet=FLEET,
+            agent_id="bench-tune",
+            mqtt_url=_NO_BROKER,
+            max_batch=MAX_BATCH,
+            max_wait_ms=2.0,
+            http_decode_threads=DECODE_THREADS,
+            ort_spinning=SPINNING,
+        )
+        trials = tune(
+            settings,
+            jpegs,
+            layouts=[
+                TunedLayout(layout.intra_op_threads, layout.inference_threads, MAX_BATCH)
+                for layout in LAYOUTS
+            ],
+            seconds=seconds,
+            rounds=rounds,
+        )
+    fps = {
+        Layout(t.layout.intra_op_threads, t.layout.inference_threads).label: t.frames_per_s
+        for t in trials
+    }
+    best = trials[0].layout
+    return Layout(best.intra_op_threads, best.inference_threads), fps
 
 
 CAMERA_SIZES = ((320, 240), (640, 480), (1280, 720), (1920, 1080))
@@ -1232,11 +1294,14 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
             jpegs, frames_shown = _frames_for(task, side, n_frames)
             clip = _video(workdir / f"clip-{index}.avi", jpegs[:64])
             shown = f"{label} ({task}, {side}px; {frames_shown})"
+            served, served_fps = agent_layout(model, jpegs, seconds=1.0 if quick else 2.0)
             http_layout, http_layouts = fastest_layout(_raw_loops, model, jpegs, loop="raw_decode")
-            http = _http(model, jpegs, repeats, workdir / "http", http_layout)
+            http = _http(model, jpegs, repeats, workdir / "http", http_layout, served)
             result = {
                 **http,
                 **_layout_figures("http", http_layout, http_layouts, len(jpegs)),
+                "agent_inference_threads": float(served.inference_threads),
+                "agent_intra_op_threads": float(served.intra_op_threads),
                 "input_side": float(side),
             }
             http_rows.append(
@@ -1244,6 +1309,8 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
                     shown,
                     http_layout.label,
                     _layout_fps(http_layouts, len(jpegs)),
+                    served.label,
+                    _tuned_fps(served_fps),
                     http["raw_decode_fps"],
                     http["http_fps"],
                     http["http_vs_raw_decode"],
@@ -1279,7 +1346,9 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
                 video_layout, video_layouts = fastest_layout(
                     _raw_video_loops, model, clip, video_frames, loop="raw_video"
                 )
-                vid = _video_rounds(model, clip, video_frames, repeats, window_s, video_layout)
+                vid = _video_rounds(
+                    model, clip, video_frames, repeats, window_s, video_layout, served
+                )
                 result.update(vid)
                 result.update(_layout_figures("video", video_layout, video_layouts, video_frames))
                 result["video_vs_raw"] = vid["video_fps"] / http["raw_fps"]
@@ -1288,6 +1357,7 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
                         shown,
                         video_layout.label,
                         _layout_fps(video_layouts, video_frames),
+                        served.label,
                         vid["raw_video_fps"],
                         vid["video_fps"],
                         result["video_vs_raw_video"],
@@ -1312,8 +1382,10 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
         markdown_table(
             [
                 "model",
-                "ORT layout (the raw loop's fastest: batches at once x intra-op threads)",
+                "raw loop's ORT layout (its fastest: batches at once x intra-op threads)",
                 "raw ORT fps by layout, in the passes that chose it (info)",
+                "agent's layout (`edge-agent tune`'s pick)",
+                "agent fps by layout in `edge-agent tune` (info)",
                 f"raw ORT fps (same decode+resize, {DECODE_THREADS} decode threads)",
                 "agent HTTP fps",
                 "HTTP / raw+decode",
@@ -1349,9 +1421,12 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
         " latency percentiles over all bursts, CPU shares of all cores during the burst. The"
         " agent and the raw loops decode with edge_agent.imaging.decode_for_model (OpenCV;"
         " a JPEG >= 2x/4x the model input is decoded at 1/2 or 1/4 scale; resize; RGB);"
-        " the agent and its baselines in one ORT layout, the one its raw loop ran fastest"
+        " the raw loops in the ORT layout they ran fastest"
         f" in of {' and '.join(layout.label for layout in LAYOUTS)} (three alternating"
-        " passes each before the rounds, shown; the rounds time the chosen one again); agent"
+        " passes each before the rounds, shown; the rounds time the chosen one again), the"
+        " agent in the one `edge-agent tune` picks for it of the same two (its whole"
+        " pipeline in process, three alternating rounds each, shown): each side in its"
+        " fastest; agent"
         " routing at its defaults; RSS of `edge-agent run` after serving. Each round also sends one"
         " burst to a second `edge-agent run` with routing off (nothing forwarded) and one"
         " to a bare server (the agent's uvicorn settings, an app that reads each body and"
@@ -1381,8 +1456,9 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
             markdown_table(
                 [
                     "model",
-                    "ORT layout (the raw loop's fastest)",
+                    "raw loop's ORT layout (its fastest)",
                     "raw ORT fps by layout, in the passes that chose it (info)",
+                    "agent's layout (`edge-agent tune`'s pick, as for HTTP)",
                     "raw ORT fps (video read, pipelined)",
                     "agent video fps",
                     "video / raw video",
@@ -1408,6 +1484,7 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
             " as many threads each run one), as the agent's camera source is laid out; the"
             " layout is the raw loop's fastest, as for HTTP (the one-thread loop does the"
             " same work step after step; information);"
+            " the agent runs in the layout `edge-agent tune` picks for it, as for HTTP;"
             f" Agent: a camera source on the file, in process, frames/s over a {window_s:g} s"
             " window after 1 s of warm-up. Each of"
             f" {repeats} rounds times the raw loops on {video_frames} frames, then starts an"

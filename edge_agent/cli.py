@@ -200,6 +200,106 @@ def _thread_shares(metrics_url: str, seconds: float, timeout: float) -> dict[str
     return dict(sorted(shares.items(), key=lambda item: -item[1]))
 
 
+@app.command("tune")
+def tune_command(
+    frames: Path = typer.Argument(
+        ...,
+        help="Frames like the ones this agent will serve: a folder of JPEG/PNG images"
+        " (subfolders too) or a video file.",
+    ),
+    config: Path | None = AgentConfigOption,
+    seconds: float = typer.Option(3.0, help="Seconds timed per layout and round.", min=0.5),
+    rounds: int = typer.Option(3, help="Rounds; the layouts alternate in each.", min=1, max=20),
+    batches: str = typer.Option(
+        "",
+        "--batches",
+        help="Batch sizes to try, comma-separated (default: the configured max_batch).",
+    ),
+    write: bool = typer.Option(
+        False, "--write", help="Save the fastest layout's settings in the config file."
+    ),
+    as_json: bool = JsonOption,
+) -> None:
+    """Time the agent's whole pipeline on this device in each inference layout (how
+    batches spread over the cores, and their size) and print the fastest first."""
+    from edge_agent.enroll import set_config_values
+    from edge_agent.tuning import candidate_layouts, default_cores, load_frames, tune
+
+    config_path = _agent_config(config)
+    settings = load_settings(AgentSettings, config_path)
+    logging.getLogger("edge_agent.agent").setLevel(logging.WARNING)  # a start per window
+    try:
+        sizes = [int(b) for b in batches.split(",") if b.strip()] or [settings.max_batch]
+    except ValueError:
+        fail(f"--batches takes whole numbers separated by commas, not {batches!r}")
+    if any(not 1 <= size <= 1024 for size in sizes):
+        fail("--batches: each batch size is between 1 and 1024")
+    layouts = candidate_layouts(default_cores(), sizes)
+    try:
+        loaded = load_frames(frames)
+        if not as_json:
+            typer.echo(
+                f"{len(layouts)} layouts, {rounds} rounds of {seconds:g} s each,"
+                f" on {len(loaded)} frames"
+            )
+        trials = tune(
+            settings,
+            loaded,
+            layouts=layouts,
+            seconds=seconds,
+            rounds=rounds,
+            progress=None
+            if as_json
+            else lambda r, layout, fps: typer.echo(
+                f"  round {r + 1}: {layout.label}: {fps:.0f} fps"
+            ),
+        )
+    except EdgeLoopError as exc:
+        fail(exc.message)
+    best = trials[0]
+    written: str | None = None
+    if write:
+        target = config_path or default_config_path()
+        try:
+            written = str(set_config_values(target, dict(best.layout.settings())))
+        except EdgeLoopError as exc:
+            fail(exc.message)
+    if as_json:
+        print_json(
+            {
+                "trials": [
+                    {**trial.layout.settings(), **_trial_figures(trial)} for trial in trials
+                ],
+                "best": best.layout.settings(),
+                "written": written,
+            }
+        )
+        return
+    typer.echo(f"{'layout':<52} {'frames/s':>9} {'CPU ms/frame':>13} {'p50 ms':>8} {'p99 ms':>8}")
+    for trial in trials:
+        typer.echo(
+            f"{trial.layout.label:<52} {trial.frames_per_s:9.0f} {trial.cpu_ms_per_frame:13.3f}"
+            f" {trial.p50_ms:8.1f} {trial.p99_ms:8.1f}"
+        )
+    settings_line = " ".join(f"{k}={v}" for k, v in best.layout.settings().items())
+    typer.echo(f"fastest: {settings_line} (forward rate {best.forward_rate:.3f})")
+    if written:
+        typer.echo(f"written to {written}; restart the agent to use it")
+    else:
+        typer.echo("set these (or run again with --write) and restart the agent to use them")
+
+
+def _trial_figures(trial: Any) -> dict[str, float | int]:
+    return {
+        "frames_per_s": round(trial.frames_per_s, 1),
+        "cpu_ms_per_frame": round(trial.cpu_ms_per_frame, 4),
+        "p50_ms": round(trial.p50_ms, 2),
+        "p99_ms": round(trial.p99_ms, 2),
+        "forward_rate": round(trial.forward_rate, 4),
+        "errors": trial.errors,
+    }
+
+
 @app.command("rollback")
 def rollback_command(
     config: Path | None = AgentConfigOption,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import httpx
 
 from shared.errors import ConfigError, TransportError
 
-__all__ = ["enroll", "write_config"]
+__all__ = ["enroll", "set_config_values", "write_config"]
 
 log = logging.getLogger(__name__)
 
@@ -92,5 +94,43 @@ def write_config(path: Path, values: dict[str, Any], *, keep: dict[str, Any] | N
     with os.fdopen(fd, "w") as handle:
         handle.write("\n".join(lines) + "\n")
     os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+    return path
+
+
+def set_config_values(path: Path, values: dict[str, int | float | bool | str]) -> Path:
+    """Set top-level scalar ``values`` in the TOML file at ``path``, keeping the rest of
+    it as written (comments, tables such as ``[[cameras]]``); creates it (mode 0600)
+    when missing. Raises ConfigError when the file is not TOML."""
+    text = path.read_text() if path.is_file() else ""
+    try:
+        before = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not a TOML file: {exc}") from exc
+    lines = text.splitlines()
+    # Top-level keys end where the first table begins.
+    top = next((i for i, line in enumerate(lines) if line.lstrip().startswith("[")), len(lines))
+    missing: list[str] = []
+    for key, value in values.items():
+        line = f"{key} = {_toml_value(value)}"
+        pattern = re.compile(rf"^\s*{re.escape(key)}\s*=")
+        at = next((i for i in range(top) if pattern.match(lines[i])), None)
+        if at is None:
+            missing.append(line)
+        else:
+            lines[at] = line
+    lines[top:top] = missing
+    updated = "\n".join(lines) + "\n"
+    parsed = tomllib.loads(updated)
+    kept = {k: v for k, v in parsed.items() if k not in values}
+    if any(parsed.get(k) != v for k, v in values.items()) or kept != {
+        k: v for k, v in before.items() if k not in values
+    }:
+        raise ConfigError(f"could not set {sorted(values)} in {path}: set them by hand")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(updated)
     os.replace(tmp, path)
     return path

@@ -1,0 +1,341 @@
+"""``edge-agent tune``: the agent's own pipeline timed in each layout, the fastest kept.
+
+How inference spreads over a device's cores decides its frame rate: one batch at a
+time on ORT's intra-op threads, one per core, or a batch per core at once, each on
+one thread (``inference_threads``), and how many frames make a batch. ORT's speed
+alone does not pick it: the agent decodes, routes, answers and forwards around every
+batch, and its per-batch work outweighed ORT's gain from smaller batches on the
+reference detector. So each candidate runs the whole agent in this process, on the
+user's model and frames: frames decoded at the model's size as uploads are (on
+``http_decode_threads`` threads), batched, inferred, routed with the user's policy,
+forwarded samples spooled (in a scratch folder) and receipted as the cloud would
+(no verdicts: no teacher runs here). The candidates alternate round by round, so a
+noisy device slows them alike, and each one's medians are kept.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+from edge_agent.imaging import ACCEPTED
+from edge_agent.settings import AgentSettings
+from shared.errors import ConfigError, EdgeLoopError
+
+__all__ = [
+    "Layout",
+    "Trial",
+    "candidate_layouts",
+    "default_cores",
+    "load_frames",
+    "tune",
+    "usable_frames",
+]
+
+log = logging.getLogger(__name__)
+
+_IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png"}
+MAX_FRAMES = 256  # distinct frames cycled through; more only costs memory
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the agent spreads inference over the cores (three of its settings)."""
+
+    intra_op_threads: int  # 0: ORT's default, one per core
+    inference_threads: int
+    max_batch: int
+
+    @property
+    def label(self) -> str:
+        intra = self.intra_op_threads or "one per core"
+        return f"{self.inference_threads} at once x {intra} intra-op, batches of {self.max_batch}"
+
+    def settings(self) -> dict[str, int]:
+        return {
+            "intra_op_threads": self.intra_op_threads,
+            "inference_threads": self.inference_threads,
+            "max_batch": self.max_batch,
+        }
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One layout's medians over the rounds."""
+
+    layout: Layout
+    frames_per_s: float
+    cpu_ms_per_frame: float
+    p50_ms: float
+    p99_ms: float
+    forward_rate: float
+    errors: int
+
+
+def candidate_layouts(cores: int, max_batches: Sequence[int]) -> list[Layout]:
+    """One batch at a time on every core, and (with several cores) a batch per core on
+    one thread each; at each of ``max_batches``."""
+    layouts: list[Layout] = []
+    for batch in dict.fromkeys(max_batches):
+        layouts.append(Layout(0, 1, batch))
+        if cores > 1:
+            layouts.append(Layout(1, cores, batch))
+    return layouts
+
+
+def load_frames(path: Path, limit: int = MAX_FRAMES) -> list[bytes]:
+    """Encoded frames to tune on: the images of a folder (its subfolders too: a folder
+    of labelled images works as it is), or frames of a video file as JPEG."""
+    if path.is_dir():
+        files = sorted(
+            p for p in path.rglob("*") if p.suffix.lower() in _IMAGE_SUFFIXES and p.is_file()
+        )
+        if not files:
+            raise ConfigError(f"no images in {path}: tune reads {ACCEPTED} files (.jpg, .png)")
+        return [p.read_bytes() for p in files[:limit]]
+    if not path.is_file():
+        raise ConfigError(f"{path} is neither a folder of images nor a video file")
+    import cv2
+
+    capture = cv2.VideoCapture(str(path))
+    frames: list[bytes] = []
+    try:
+        while len(frames) < limit:
+            ok, bgr = capture.read()
+            if not ok:
+                break
+            encoded, jpeg = cv2.imencode(".jpg", bgr, [cv2.IMWRITE_JPEG_QUALITY, 90])
+            if encoded:
+                frames.append(jpeg.tobytes())
+    finally:
+        capture.release()
+    if not frames:
+        raise ConfigError(f"no frames could be read from {path}: give a video OpenCV reads")
+    return frames
+
+
+class _Receipts:
+    """The tuned agent's Publisher: every forwarded sample receipted, as the verifier
+    does (a receipt every 50 ms, at most 100 ids each), and nothing sent anywhere."""
+
+    connected = True
+    backlog = 0
+    FLUSH_S = 0.05
+    MAX_IDS = 100
+
+    def __init__(self, receipts_topic: str) -> None:
+        self._topic = receipts_topic
+        self._on_message: Callable[[str, bytes], None] | None = None
+        self._ids: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tune-receipts", daemon=True)
+
+    def set_handlers(
+        self, *, on_message: Callable[[str, bytes], None], on_connect: Callable[[], None]
+    ) -> None:
+        self._on_message = on_message
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+        if not topic.endswith("/samples"):
+            return
+        from shared.envelope import decode_envelope
+
+        sample_id = decode_envelope(payload).header.sample_id
+        with self._lock:
+            self._ids.append(sample_id)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        from shared.messages import Receipt, encode_message
+
+        while not self._stop.wait(self.FLUSH_S):
+            with self._lock:
+                ids, self._ids = self._ids, []
+            for at in range(0, len(ids), self.MAX_IDS):
+                receipt = Receipt(sample_ids=ids[at : at + self.MAX_IDS], stored_at=_now())
+                if self._on_message is not None:
+                    self._on_message(self._topic, encode_message(receipt))
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass
+class _Window:
+    frames: int
+    seconds: float
+    cpu_s: float
+    latencies_ms: list[float]
+    forwarded: int
+    errors: int
+
+
+def _tuned_settings(settings: AgentSettings, layout: Layout, scratch: Path) -> AgentSettings:
+    """The user's settings with ``layout``, a scratch data folder and no sources."""
+    from edge_agent.updates import active_model_path
+
+    return settings.model_copy(
+        update={
+            **layout.settings(),
+            "data_dir": scratch,
+            "model_path": active_model_path(settings),
+            "spool_path": None,
+            "cameras": [],
+            "folders": [],
+            "webhook_url": None,
+            "http_max_fps": None,
+        }
+    )
+
+
+def _window(
+    settings: AgentSettings, frames: Sequence[bytes], warmup_s: float, seconds: float
+) -> _Window:
+    """Start an agent with ``settings``, feed it ``frames`` for ``warmup_s`` and then
+    ``seconds``, and count what it answered in the second part."""
+    from edge_agent.agent import Agent
+    from edge_agent.intake import FrameResult
+
+    publisher = _Receipts(settings.topics.receipts(settings.fleet, settings.agent_id))
+    in_flight = threading.Semaphore((settings.inference_threads + 1) * settings.max_batch)
+    stop = threading.Event()
+    counting = threading.Event()
+    lock = threading.Lock()
+    window = _Window(0, 0.0, 0.0, [], 0, 0)
+    order = itertools.cycle(range(len(frames)))
+
+    def reply(result: FrameResult | None, error: BaseException | None) -> None:
+        in_flight.release()
+        if not counting.is_set():
+            return
+        with lock:
+            if result is None:
+                window.errors += 1
+                return
+            window.frames += 1
+            window.latencies_ms.append(result.latency_ms)
+            window.forwarded += result.forwarded
+
+    def feed(agent: Agent) -> None:
+        while not stop.is_set():
+            if not in_flight.acquire(timeout=0.1):
+                continue
+            body = frames[next(order)]
+            try:
+                agent.answer_frame(agent.decode_for_model(body), reply, source="tune")
+            except (EdgeLoopError, queue.Full) as exc:  # counted; the others go on
+                reply(None, exc)
+
+    with Agent(settings, publisher=publisher, start_sources=False) as agent:
+        feeders = [
+            threading.Thread(target=feed, args=(agent,), name=f"tune-feed-{i}", daemon=True)
+            for i in range(settings.http_decode_threads)
+        ]
+        for feeder in feeders:
+            feeder.start()
+        time.sleep(warmup_s)
+        cpu, start = time.process_time(), time.perf_counter()
+        counting.set()
+        time.sleep(seconds)
+        counting.clear()
+        window.seconds = time.perf_counter() - start
+        window.cpu_s = time.process_time() - cpu
+        stop.set()
+        for feeder in feeders:
+            feeder.join(10)
+    return window
+
+
+def tune(
+    settings: AgentSettings,
+    frames: Sequence[bytes],
+    *,
+    layouts: Sequence[Layout],
+    seconds: float = 3.0,
+    rounds: int = 3,
+    progress: Callable[[int, Layout, float], None] | None = None,
+) -> list[Trial]:
+    """Each of ``layouts`` timed in ``rounds`` windows of ``seconds`` (the order
+    alternating round by round), fastest first."""
+    frames = usable_frames(settings, frames)
+    if not layouts:
+        raise ConfigError("tune needs at least one layout")
+    windows: dict[Layout, list[_Window]] = {layout: [] for layout in layouts}
+    warmup_s = max(0.5, seconds / 4)
+    with tempfile.TemporaryDirectory(prefix="edgeloop-tune-") as tmp:
+        for round_no in range(rounds):
+            ordered = list(layouts) if round_no % 2 == 0 else list(layouts)[::-1]
+            for i, layout in enumerate(ordered):
+                scratch = Path(tmp) / f"r{round_no}-{i}"
+                scratch.mkdir()
+                tuned = _tuned_settings(settings, layout, scratch)
+                window = _window(tuned, frames, warmup_s, seconds)
+                windows[layout].append(window)
+                if progress is not None:
+                    progress(round_no, layout, window.frames / max(window.seconds, 1e-9))
+    trials = [_trial(layout, ws) for layout, ws in windows.items()]
+    return sorted(trials, key=lambda t: -t.frames_per_s)
+
+
+def usable_frames(settings: AgentSettings, frames: Sequence[bytes]) -> list[bytes]:
+    """The frames the agent accepts (as an upload is checked); ConfigError when none is."""
+    from edge_agent.imaging import ImageRejected, decode_image
+
+    usable: list[bytes] = []
+    refused: dict[str, int] = {}
+    for body in frames:
+        try:
+            decode_image(body, max_bytes=settings.max_image_bytes, max_pixels=settings.max_pixels)
+        except ImageRejected as exc:
+            refused[exc.message] = refused.get(exc.message, 0) + 1
+            continue
+        usable.append(body)
+    if refused:
+        log.warning("%d frames the agent refuses are left out: %s", sum(refused.values()), refused)
+    if not usable:
+        raise ConfigError(f"none of the {len(frames)} frames is accepted; send {ACCEPTED}")
+    return usable
+
+
+def _trial(layout: Layout, windows: list[_Window]) -> Trial:
+    def median(values: list[float]) -> float:
+        return statistics.median(values) if values else 0.0
+
+    latencies = [w.latencies_ms for w in windows if w.latencies_ms]
+    return Trial(
+        layout=layout,
+        frames_per_s=median([w.frames / max(w.seconds, 1e-9) for w in windows]),
+        cpu_ms_per_frame=median([w.cpu_s / w.frames * 1e3 for w in windows if w.frames]),
+        p50_ms=median([float(np.percentile(ls, 50)) for ls in latencies]),
+        p99_ms=median([float(np.percentile(ls, 99)) for ls in latencies]),
+        forward_rate=median([w.forwarded / w.frames for w in windows if w.frames]),
+        errors=sum(w.errors for w in windows),
+    )
+
+
+def default_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
