@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
 import cv2
 import httpx
 import numpy as np
+import pytest
 
 from bench import agent as bench_agent
 from edge_agent.sources.http import ApiServer
@@ -57,3 +59,19 @@ def test_a_detector_is_measured_on_scenes_of_its_scenario_at_its_input_size() ->
     assert image.shape == (64, 64, 3)
     frames, shown = bench_agent._frames_for("classification", 224, 2)
     assert len(frames) == 2 and "320x240" in shown
+
+
+def test_the_agent_runs_in_the_layout_tune_picks_unless_one_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from edge_agent.testing import make_tiny_student
+
+    model = make_tiny_student(tmp_path / "student.onnx", size=32)
+    frames = bench_agent._frames(4, 64, 48)
+    layout, fps = bench_agent.agent_layout(model, frames, seconds=0.5, rounds=1)
+    assert layout in bench_agent.LAYOUTS
+    assert set(fps) == {each.label for each in bench_agent.LAYOUTS}
+    assert fps[layout.label] == max(fps.values()) > 0
+
+    monkeypatch.setenv("BENCH_LAYOUT", "1,3")
+    assert bench_agent.agent_layout(model, frames, seconds=0.5) == (bench_agent.Layout(1, 3), {})
