@@ -6,8 +6,8 @@ Side by side on the same frames and the same session and thread settings, the ra
 loops in the ORT layout they run fastest in (``fastest_layout``: one batch at a time
 on ORT's intra-op threads, one per core; or a batch per core at once, each on one
 thread, the agent's ``inference_threads``), the agent in the one ``edge-agent tune``
-picks for it of the same two (``agent_layout``; the two can differ where the raw
-loops tie):
+picks for it of the same two on the same frames or clip (``agent_layout``; the two
+can differ where the raw loops tie):
 
 * raw ORT on the same JPEG frames (camera-like 320x240 frames; for the detector,
   scenes of the scenario it was trained on, at its input size, which it forwards
@@ -1179,12 +1179,13 @@ def fastest_layout(
 
 
 def agent_layout(
-    model: Path, jpegs: list[bytes], *, seconds: float, rounds: int = 3
+    model: Path, frames: list[bytes] | Path, *, seconds: float, rounds: int = 3
 ) -> tuple[Layout, dict[str, float]]:
-    """The layout ``edge-agent tune`` picks for the agent on ``model`` and ``jpegs`` (its
-    whole pipeline, the task's default routing), with each layout's frames/s. The raw
-    loops tie between layouts on some models while the agent does not: each side is
-    measured in its own fastest. ``BENCH_LAYOUT`` names one layout for both."""
+    """The layout ``edge-agent tune`` picks for the agent on ``model`` and ``frames`` (its
+    whole pipeline, the task's default routing; JPEGs as uploads, a clip read as a camera
+    is), with each layout's frames/s. The raw loops tie between layouts on some models
+    while the agent does not: each side is measured in its own fastest. ``BENCH_LAYOUT``
+    names one layout for both."""
     from edge_agent.settings import AgentSettings
     from edge_agent.tuning import Layout as TunedLayout
     from edge_agent.tuning import tune
@@ -1207,7 +1208,7 @@ def agent_layout(
         )
         trials = tune(
             settings,
-            jpegs,
+            frames,
             layouts=[
                 TunedLayout(layout.intra_op_threads, layout.inference_threads, MAX_BATCH)
                 for layout in LAYOUTS
@@ -1275,6 +1276,7 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
     n_frames = 96 if quick else 1024  # per HTTP burst and raw pass (about a second)
     video_frames = 384 if quick else 1024  # per raw video pass
     window_s = 1.5 if quick else 3.0
+    tune_s = 1.0 if quick else 2.0  # per layout and round in `edge-agent tune`
     figures: dict[str, Any] = {}
     http_rows: list[list[Any]] = []
     video_rows: list[list[Any]] = []
@@ -1294,7 +1296,7 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
             jpegs, frames_shown = _frames_for(task, side, n_frames)
             clip = _video(workdir / f"clip-{index}.avi", jpegs[:64])
             shown = f"{label} ({task}, {side}px; {frames_shown})"
-            served, served_fps = agent_layout(model, jpegs, seconds=1.0 if quick else 2.0)
+            served, served_fps = agent_layout(model, jpegs, seconds=tune_s)
             http_layout, http_layouts = fastest_layout(_raw_loops, model, jpegs, loop="raw_decode")
             http = _http(model, jpegs, repeats, workdir / "http", http_layout, served)
             result = {
@@ -1346,9 +1348,12 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
                 video_layout, video_layouts = fastest_layout(
                     _raw_video_loops, model, clip, video_frames, loop="raw_video"
                 )
+                on_video, on_video_fps = agent_layout(model, clip, seconds=tune_s)
                 vid = _video_rounds(
-                    model, clip, video_frames, repeats, window_s, video_layout, served
+                    model, clip, video_frames, repeats, window_s, video_layout, on_video
                 )
+                result["video_agent_inference_threads"] = float(on_video.inference_threads)
+                result["video_agent_intra_op_threads"] = float(on_video.intra_op_threads)
                 result.update(vid)
                 result.update(_layout_figures("video", video_layout, video_layouts, video_frames))
                 result["video_vs_raw"] = vid["video_fps"] / http["raw_fps"]
@@ -1357,7 +1362,8 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
                         shown,
                         video_layout.label,
                         _layout_fps(video_layouts, video_frames),
-                        served.label,
+                        on_video.label,
+                        _tuned_fps(on_video_fps),
                         vid["raw_video_fps"],
                         vid["video_fps"],
                         result["video_vs_raw_video"],
@@ -1458,7 +1464,8 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
                     "model",
                     "raw loop's ORT layout (its fastest)",
                     "raw ORT fps by layout, in the passes that chose it (info)",
-                    "agent's layout (`edge-agent tune`'s pick, as for HTTP)",
+                    "agent's layout (`edge-agent tune`'s pick on the clip)",
+                    "agent fps by layout in `edge-agent tune` on the clip (info)",
                     "raw ORT fps (video read, pipelined)",
                     "agent video fps",
                     "video / raw video",
@@ -1484,7 +1491,8 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
             " as many threads each run one), as the agent's camera source is laid out; the"
             " layout is the raw loop's fastest, as for HTTP (the one-thread loop does the"
             " same work step after step; information);"
-            " the agent runs in the layout `edge-agent tune` picks for it, as for HTTP;"
+            " the agent runs in the layout `edge-agent tune` picks for it on the same clip"
+            " (read by a camera source, as here);"
             f" Agent: a camera source on the file, in process, frames/s over a {window_s:g} s"
             " window after 1 s of warm-up. Each of"
             f" {repeats} rounds times the raw loops on {video_frames} frames, then starts an"

@@ -205,7 +205,7 @@ def tune_command(
     frames: Path = typer.Argument(
         ...,
         help="Frames like the ones this agent will serve: a folder of JPEG/PNG images"
-        " (subfolders too) or a video file.",
+        " (subfolders too), sent as uploads, or a video file, read as a camera is.",
     ),
     config: Path | None = AgentConfigOption,
     seconds: float = typer.Option(3.0, help="Seconds timed per layout and round.", min=0.5),
@@ -223,7 +223,7 @@ def tune_command(
     """Time the agent's whole pipeline on this device in each inference layout (how
     batches spread over the cores, and their size) and print the fastest first."""
     from edge_agent.enroll import set_config_values
-    from edge_agent.tuning import candidate_layouts, default_cores, load_frames, tune
+    from edge_agent.tuning import candidate_layouts, check_clip, default_cores, load_frames, tune
 
     config_path = _agent_config(config)
     settings = load_settings(AgentSettings, config_path)
@@ -236,12 +236,14 @@ def tune_command(
         fail("--batches: each batch size is between 1 and 1024")
     layouts = candidate_layouts(default_cores(), sizes)
     try:
-        loaded = load_frames(frames)
+        loaded: list[bytes] | Path = load_frames(frames) if frames.is_dir() else check_clip(frames)
         if not as_json:
-            typer.echo(
-                f"{len(layouts)} layouts, {rounds} rounds of {seconds:g} s each,"
-                f" on {len(loaded)} frames"
+            shown = (
+                f"{len(loaded)} images sent as uploads"
+                if isinstance(loaded, list)
+                else f"{frames.name} read as a camera"
             )
+            typer.echo(f"{len(layouts)} layouts, {rounds} rounds of {seconds:g} s each, on {shown}")
         trials = tune(
             settings,
             loaded,

@@ -6,11 +6,14 @@ one thread (``inference_threads``), and how many frames make a batch. ORT's spee
 alone does not pick it: the agent decodes, routes, answers and forwards around every
 batch, and its per-batch work outweighed ORT's gain from smaller batches on the
 reference detector. So each candidate runs the whole agent in this process, on the
-user's model and frames: frames decoded at the model's size as uploads are (on
-``http_decode_threads`` threads), batched, inferred, routed with the user's policy,
-forwarded samples spooled (in a scratch folder) and receipted as the cloud would
-(no verdicts: no teacher runs here). The candidates alternate round by round, so a
-noisy device slows them alike, and each one's medians are kept.
+user's model and frames, the way they reach it: images (a folder) are decoded at
+the model's size as uploads are (on ``http_decode_threads`` threads); a video file
+is read by a camera source, as ``edge-agent run`` reads a camera (a Motion JPEG
+clip as its JPEGs). Frames are then batched, inferred, routed with the user's
+policy, forwarded samples spooled (in a scratch folder) and receipted as the cloud
+would (no verdicts: no teacher runs here). The two paths can favour different
+layouts on the same model. The candidates alternate round by round, so a noisy
+device slows them alike, and each one's medians are kept.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -38,6 +41,7 @@ __all__ = [
     "Layout",
     "Trial",
     "candidate_layouts",
+    "check_clip",
     "default_cores",
     "load_frames",
     "tune",
@@ -81,7 +85,7 @@ class Trial:
     p50_ms: float
     p99_ms: float
     forward_rate: float
-    errors: int
+    errors: int  # frames refused or failed (uploads), or dropped (a camera source)
 
 
 def candidate_layouts(cores: int, max_batches: Sequence[int]) -> list[Layout]:
@@ -96,34 +100,32 @@ def candidate_layouts(cores: int, max_batches: Sequence[int]) -> list[Layout]:
 
 
 def load_frames(path: Path, limit: int = MAX_FRAMES) -> list[bytes]:
-    """Encoded frames to tune on: the images of a folder (its subfolders too: a folder
-    of labelled images works as it is), or frames of a video file as JPEG."""
-    if path.is_dir():
-        files = sorted(
-            p for p in path.rglob("*") if p.suffix.lower() in _IMAGE_SUFFIXES and p.is_file()
-        )
-        if not files:
-            raise ConfigError(f"no images in {path}: tune reads {ACCEPTED} files (.jpg, .png)")
-        return [p.read_bytes() for p in files[:limit]]
+    """The images of a folder to tune on, as uploads (its subfolders too: a folder of
+    labelled images works as it is)."""
+    if not path.is_dir():
+        raise ConfigError(f"{path} is not a folder of images")
+    files = sorted(
+        p for p in path.rglob("*") if p.suffix.lower() in _IMAGE_SUFFIXES and p.is_file()
+    )
+    if not files:
+        raise ConfigError(f"no images in {path}: tune reads {ACCEPTED} files (.jpg, .png)")
+    return [p.read_bytes() for p in files[:limit]]
+
+
+def check_clip(path: Path) -> Path:
+    """``path`` when it is a video file OpenCV reads a frame of; else ConfigError."""
     if not path.is_file():
         raise ConfigError(f"{path} is neither a folder of images nor a video file")
     import cv2
 
     capture = cv2.VideoCapture(str(path))
-    frames: list[bytes] = []
     try:
-        while len(frames) < limit:
-            ok, bgr = capture.read()
-            if not ok:
-                break
-            encoded, jpeg = cv2.imencode(".jpg", bgr, [cv2.IMWRITE_JPEG_QUALITY, 90])
-            if encoded:
-                frames.append(jpeg.tobytes())
+        ok = capture.isOpened() and capture.read()[0]
     finally:
         capture.release()
-    if not frames:
+    if not ok:
         raise ConfigError(f"no frames could be read from {path}: give a video OpenCV reads")
-    return frames
+    return path
 
 
 class _Receipts:
@@ -182,12 +184,21 @@ def _now() -> datetime:
 
 @dataclass
 class _Window:
-    frames: int
-    seconds: float
-    cpu_s: float
-    latencies_ms: list[float]
-    forwarded: int
-    errors: int
+    frames: int = 0
+    seconds: float = 0.0
+    cpu_s: float = 0.0
+    latencies_ms: list[float] = field(default_factory=list)
+    forwarded: int = 0
+    errors: int = 0
+    p50_ms: float = 0.0
+    p99_ms: float = 0.0
+
+    def close(self) -> _Window:
+        if self.latencies_ms:
+            self.p50_ms = float(np.percentile(self.latencies_ms, 50))
+            self.p99_ms = float(np.percentile(self.latencies_ms, 99))
+            self.latencies_ms = []
+        return self
 
 
 def _tuned_settings(settings: AgentSettings, layout: Layout, scratch: Path) -> AgentSettings:
@@ -221,7 +232,7 @@ def _window(
     stop = threading.Event()
     counting = threading.Event()
     lock = threading.Lock()
-    window = _Window(0, 0.0, 0.0, [], 0, 0)
+    window = _Window()
     order = itertools.cycle(range(len(frames)))
 
     def reply(result: FrameResult | None, error: BaseException | None) -> None:
@@ -263,12 +274,41 @@ def _window(
         stop.set()
         for feeder in feeders:
             feeder.join(10)
+    return window.close()
+
+
+def _clip_window(settings: AgentSettings, clip: Path, warmup_s: float, seconds: float) -> _Window:
+    """Start an agent with a camera source on ``clip`` (started again at its end), wait
+    ``warmup_s``, and count what it answered in the next ``seconds``."""
+    from edge_agent.agent import Agent
+    from edge_agent.settings import CameraSource
+
+    camera = CameraSource(name="tune", uri=str(clip), max_fps=100_000.0)
+    with_camera = settings.model_copy(update={"cameras": [camera]})
+    publisher = _Receipts(settings.topics.receipts(settings.fleet, settings.agent_id))
+    with Agent(with_camera, publisher=publisher) as agent:
+        telemetry = agent.telemetry
+        time.sleep(warmup_s)
+        frames, forwarded = telemetry.frames_total, telemetry.forwarded_total
+        dropped = telemetry.dropped_total
+        cpu, start = time.process_time(), time.perf_counter()
+        time.sleep(seconds)
+        window = _Window(
+            frames=telemetry.frames_total - frames,
+            seconds=time.perf_counter() - start,
+            cpu_s=time.process_time() - cpu,
+            forwarded=telemetry.forwarded_total - forwarded,
+            errors=telemetry.dropped_total - dropped,
+        )
+        snapshot = telemetry.snapshot()  # the newest answers' latencies
+    window.p50_ms = snapshot["latency_p50_ms"] or 0.0
+    window.p99_ms = snapshot["latency_p99_ms"] or 0.0
     return window
 
 
 def tune(
     settings: AgentSettings,
-    frames: Sequence[bytes],
+    frames: Sequence[bytes] | Path,
     *,
     layouts: Sequence[Layout],
     seconds: float = 3.0,
@@ -276,8 +316,19 @@ def tune(
     progress: Callable[[int, Layout, float], None] | None = None,
 ) -> list[Trial]:
     """Each of ``layouts`` timed in ``rounds`` windows of ``seconds`` (the order
-    alternating round by round), fastest first."""
-    frames = usable_frames(settings, frames)
+    alternating round by round), fastest first. ``frames``: encoded images, sent as
+    uploads, or a video file, read by a camera source."""
+    if isinstance(frames, Path):
+        clip = check_clip(frames)
+
+        def run_window(tuned: AgentSettings, warmup_s: float) -> _Window:
+            return _clip_window(tuned, clip, warmup_s, seconds)
+    else:
+        images = usable_frames(settings, frames)
+
+        def run_window(tuned: AgentSettings, warmup_s: float) -> _Window:
+            return _window(tuned, images, warmup_s, seconds)
+
     if not layouts:
         raise ConfigError("tune needs at least one layout")
     windows: dict[Layout, list[_Window]] = {layout: [] for layout in layouts}
@@ -289,7 +340,7 @@ def tune(
                 scratch = Path(tmp) / f"r{round_no}-{i}"
                 scratch.mkdir()
                 tuned = _tuned_settings(settings, layout, scratch)
-                window = _window(tuned, frames, warmup_s, seconds)
+                window = run_window(tuned, warmup_s)
                 windows[layout].append(window)
                 if progress is not None:
                     progress(round_no, layout, window.frames / max(window.seconds, 1e-9))
@@ -321,13 +372,13 @@ def _trial(layout: Layout, windows: list[_Window]) -> Trial:
     def median(values: list[float]) -> float:
         return statistics.median(values) if values else 0.0
 
-    latencies = [w.latencies_ms for w in windows if w.latencies_ms]
+    answered = [w for w in windows if w.frames]
     return Trial(
         layout=layout,
         frames_per_s=median([w.frames / max(w.seconds, 1e-9) for w in windows]),
-        cpu_ms_per_frame=median([w.cpu_s / w.frames * 1e3 for w in windows if w.frames]),
-        p50_ms=median([float(np.percentile(ls, 50)) for ls in latencies]),
-        p99_ms=median([float(np.percentile(ls, 99)) for ls in latencies]),
+        cpu_ms_per_frame=median([w.cpu_s / w.frames * 1e3 for w in answered]),
+        p50_ms=median([w.p50_ms for w in answered]),
+        p99_ms=median([w.p99_ms for w in answered]),
         forward_rate=median([w.forwarded / w.frames for w in windows if w.frames]),
         errors=sum(w.errors for w in windows),
     )

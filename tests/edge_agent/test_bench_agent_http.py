@@ -73,5 +73,9 @@ def test_the_agent_runs_in_the_layout_tune_picks_unless_one_is_named(
     assert set(fps) == {each.label for each in bench_agent.LAYOUTS}
     assert fps[layout.label] == max(fps.values()) > 0
 
+    clip = bench_agent._video(tmp_path / "clip.avi", frames)
+    on_clip, clip_fps = bench_agent.agent_layout(model, clip, seconds=0.5, rounds=1)
+    assert clip_fps[on_clip.label] == max(clip_fps.values()) > 0
+
     monkeypatch.setenv("BENCH_LAYOUT", "1,3")
     assert bench_agent.agent_layout(model, frames, seconds=0.5) == (bench_agent.Layout(1, 3), {})

@@ -15,7 +15,14 @@ from typer.testing import CliRunner
 from edge_agent.cli import app
 from edge_agent.enroll import set_config_values
 from edge_agent.settings import AgentSettings
-from edge_agent.tuning import Layout, candidate_layouts, load_frames, tune, usable_frames
+from edge_agent.tuning import (
+    Layout,
+    candidate_layouts,
+    check_clip,
+    load_frames,
+    tune,
+    usable_frames,
+)
 from shared.errors import ConfigError
 from tests.edge_agent.conftest import image_bytes
 
@@ -38,29 +45,32 @@ def test_candidates_are_one_batch_at_a_time_and_a_batch_per_core() -> None:
     assert candidate_layouts(1, [4, 8, 4]) == [Layout(0, 1, 4), Layout(0, 1, 8)]
 
 
+def _clip(path: Path, frames: int = 5) -> Path:
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter.fourcc(*"MJPG"), 10, (64, 48))
+    for i in range(frames):
+        writer.write(np.full((48, 64, 3), i * 40, dtype=np.uint8))
+    writer.release()
+    return path
+
+
 def test_frames_come_from_a_labelled_folder_or_a_video(tmp_path: Path) -> None:
     folder = _frames_folder(tmp_path / "images")
     frames = load_frames(folder)
     assert len(frames) == 6  # subfolders read, the text file left out
     assert load_frames(folder, limit=2) == frames[:2]
-
-    clip = tmp_path / "clip.avi"
-    writer = cv2.VideoWriter(str(clip), cv2.VideoWriter.fourcc(*"MJPG"), 10, (64, 48))
-    for i in range(5):
-        writer.write(np.full((48, 64, 3), i * 40, dtype=np.uint8))
-    writer.release()
-    from_video = load_frames(clip)
-    assert len(from_video) == 5
-    assert all(frame[:2] == b"\xff\xd8" for frame in from_video)  # JPEG
+    clip = _clip(tmp_path / "clip.avi")
+    assert check_clip(clip) == clip
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="no images"):
         load_frames(tmp_path / "empty")
+    with pytest.raises(ConfigError, match="not a folder"):
+        load_frames(clip)
     with pytest.raises(ConfigError, match="neither a folder"):
-        load_frames(tmp_path / "missing")
+        check_clip(tmp_path / "missing")
     (tmp_path / "bad.avi").write_bytes(b"not a video")
     with pytest.raises(ConfigError, match="no frames could be read"):
-        load_frames(tmp_path / "bad.avi")
+        check_clip(tmp_path / "bad.avi")
 
 
 def test_frames_the_agent_refuses_are_left_out(
@@ -99,6 +109,20 @@ def test_tune_times_each_layout_with_the_whole_agent(
         assert trial.forward_rate == 1.0
         assert trial.errors == 0
     # The agent's own data folder is untouched: the trials spool in a scratch folder.
+    assert not (tmp_path / "agent").exists()
+
+
+def test_tune_reads_a_video_file_as_a_camera_source_does(
+    make_settings: Callable[..., AgentSettings], tmp_path: Path
+) -> None:
+    settings = make_settings(audit_share=1.0, data_dir=tmp_path / "agent")
+    clip = _clip(tmp_path / "clip.avi")
+    trials = tune(settings, clip, layouts=[Layout(1, 1, 4)], seconds=0.5, rounds=1)
+    (trial,) = trials
+    assert trial.frames_per_s > 0  # the five frames read again and again
+    assert trial.p99_ms >= trial.p50_ms > 0
+    assert trial.forward_rate == 1.0
+    assert trial.errors == 0  # a file's reader waits for room: nothing dropped
     assert not (tmp_path / "agent").exists()
 
 
@@ -179,3 +203,12 @@ def test_cli_prints_the_fastest_layout_and_writes_it(
     missing = runner.invoke(app, ["tune", str(tmp_path / "nowhere"), "--config", str(config)])
     assert missing.exit_code == 2
     assert "neither a folder of images nor a video file" in missing.output
+
+    clip = _clip(tmp_path / "clip.avi")
+    on_clip = runner.invoke(
+        app,
+        ["tune", str(clip), "--config", str(config), "--seconds", "0.5", "--rounds", "1"],
+    )
+    assert on_clip.exit_code == 0, on_clip.output
+    assert "clip.avi read as a camera" in on_clip.output
+    assert "fastest: intra_op_threads=" in on_clip.output
