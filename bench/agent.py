@@ -77,6 +77,7 @@ import numpy as np
 import psutil
 
 from bench.common import Scrape, by_stage, markdown_table, ready, scrape
+from edge_agent.tuning import candidate_layouts
 from shared.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,10 @@ CORES = os.cpu_count() or 1
 # One batch at a time on every core (ORT's parallel operators), or a batch per core,
 # each on one thread (no hand-offs inside an operator). Which is faster depends on the
 # model: each model is measured in the layout its raw loop runs fastest in.
-LAYOUTS = (Layout(0, 1), Layout(1, CORES))
+LAYOUTS = tuple(
+    Layout(candidate.intra_op_threads, candidate.inference_threads)
+    for candidate in candidate_layouts(CORES, [MAX_BATCH])
+)
 DEFAULT_LAYOUT = LAYOUTS[0]
 SPINNING = os.environ.get("BENCH_ORT_SPINNING", "0") == "1"  # the agent's ort_spinning
 DECODE_THREADS = 2  # the agent's http_decode_threads, and the baseline's decode threads
@@ -724,15 +728,6 @@ def _settle(port: int, timeout_s: float = 30.0) -> None:
     time.sleep(0.2)
 
 
-def _sample_id(envelope: bytes | bytearray) -> str:
-    """An envelope's sample id, read from its JSON header without checking the rest
-    (the stand-in cloud's cost is not the agent's, so it stays small)."""
-    from shared.envelope import PREFIX_SIZE
-
-    header_length = int.from_bytes(envelope[6:8], "big")
-    return str(json.loads(envelope[PREFIX_SIZE : PREFIX_SIZE + header_length])["sample_id"])
-
-
 class _CloudAnswers:
     """What the verifier sends an agent for its forwarded samples, without a verifier.
 
@@ -796,7 +791,9 @@ class _CloudAnswers:
 
     def add(self, envelope: bytes | bytearray) -> None:
         """Note a sample the agent published."""
-        sample_id = _sample_id(envelope)
+        from shared.envelope import peek_sample_id  # the stand-in's cost is not the agent's
+
+        sample_id = peek_sample_id(envelope)
         with self._lock:
             self._ids.append(sample_id)
             self.samples += 1
@@ -1187,7 +1184,6 @@ def agent_layout(
     while the agent does not: each side is measured in its own fastest. ``BENCH_LAYOUT``
     names one layout for both."""
     from edge_agent.settings import AgentSettings
-    from edge_agent.tuning import Layout as TunedLayout
     from edge_agent.tuning import tune
 
     forced = os.environ.get("BENCH_LAYOUT")
@@ -1209,10 +1205,7 @@ def agent_layout(
         trials = tune(
             settings,
             frames,
-            layouts=[
-                TunedLayout(layout.intra_op_threads, layout.inference_threads, MAX_BATCH)
-                for layout in LAYOUTS
-            ],
+            layouts=candidate_layouts(CORES, [MAX_BATCH]),
             seconds=seconds,
             rounds=rounds,
         )

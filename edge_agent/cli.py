@@ -269,9 +269,7 @@ def tune_command(
     if as_json:
         print_json(
             {
-                "trials": [
-                    {**trial.layout.settings(), **_trial_figures(trial)} for trial in trials
-                ],
+                "trials": [{**trial.layout.settings(), **trial.figures()} for trial in trials],
                 "best": best.layout.settings(),
                 "written": written,
             }
@@ -289,17 +287,6 @@ def tune_command(
         typer.echo(f"written to {written}; restart the agent to use it")
     else:
         typer.echo("set these (or run again with --write) and restart the agent to use them")
-
-
-def _trial_figures(trial: Any) -> dict[str, float | int]:
-    return {
-        "frames_per_s": round(trial.frames_per_s, 1),
-        "cpu_ms_per_frame": round(trial.cpu_ms_per_frame, 4),
-        "p50_ms": round(trial.p50_ms, 2),
-        "p99_ms": round(trial.p99_ms, 2),
-        "forward_rate": round(trial.forward_rate, 4),
-        "errors": trial.errors,
-    }
 
 
 @app.command("rollback")

@@ -21,6 +21,7 @@ itself (an unknown format version or flags: ``EnvelopeError`` with reason
 
 from __future__ import annotations
 
+import json
 import struct
 import zlib
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ __all__ = [
     "decode_envelope",
     "encode_envelope",
     "envelope_overhead",
+    "peek_sample_id",
 ]
 
 MAGIC = b"ELSE"
@@ -169,6 +171,22 @@ def decode_envelope(
     image = bytes(view[image_start:])
     _check_image(header, probe_image(image), limits)
     return Envelope(header=header, image=image)
+
+
+def peek_sample_id(data: bytes | bytearray | memoryview) -> str:
+    """The sample id an envelope's header names, read without checking anything else.
+
+    For in-process stand-ins of the cloud (``edge-agent tune``, the bench), whose own
+    work must stay out of the agent's figures; never for accepting a sample, which is
+    ``decode_envelope``'s job. Raises EnvelopeError when there is no id to read.
+    """
+    view = memoryview(data).cast("B")
+    try:
+        _magic, _version, _flags, header_len, _crc = _PREFIX.unpack_from(view)
+        header = json.loads(bytes(view[PREFIX_SIZE : PREFIX_SIZE + header_len]))
+        return str(header["sample_id"])
+    except (struct.error, ValueError, KeyError, TypeError) as exc:
+        raise EnvelopeError(f"no sample id to read in this envelope: {exc}") from exc
 
 
 def envelope_overhead(header: SampleHeader) -> int:

@@ -25,6 +25,7 @@ from shared.envelope import (
     decode_envelope,
     encode_envelope,
     envelope_overhead,
+    peek_sample_id,
 )
 from shared.errors import (
     BadMagicError,
@@ -98,6 +99,24 @@ def test_layout(make_header: HeaderFactory, small_images: dict[str, bytes]) -> N
     assert data[12 : 12 + header_len] == header_bytes
     assert data[12 + header_len :] == image  # raw, never base64
     assert len(data) == envelope_overhead(header) + len(image)
+
+
+def test_a_stand_in_peeks_at_the_sample_id_without_decoding(
+    make_header: HeaderFactory, small_images: dict[str, bytes]
+) -> None:
+    image = small_images["jpeg-rgb-16x16"]
+    header = make_header(image)
+    data = encode_envelope(header, image)
+    assert peek_sample_id(data) == header.sample_id
+    assert peek_sample_id(bytearray(data)) == header.sample_id
+    # Unchecked: a corrupted image still names its id (decode_envelope refuses it).
+    corrupted = data[:-1] + bytes([data[-1] ^ 0xFF])
+    assert peek_sample_id(corrupted) == header.sample_id
+    with pytest.raises(ChecksumError):
+        decode_envelope(corrupted)
+    for unreadable in (b"", data[: PREFIX_SIZE + 3], raw_envelope(b'{"no": "id"}', image)):
+        with pytest.raises(EnvelopeError, match="no sample id"):
+            peek_sample_id(unreadable)
 
 
 @pytest.mark.parametrize(
