@@ -492,12 +492,31 @@ def bare_app(answer: bytes) -> Callable[..., Any]:
     return app
 
 
+class BareRoute:
+    """The agent's frame uploads as its server's protocol takes them
+    (``shared.http_limits.RawRoute``), answered at once with ``answer``."""
+
+    path = b"/v1/frames"
+    max_bytes = 1 << 24
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+
+    def accepts(self, headers: Any) -> bool:
+        return (b"content-type", b"image/jpeg") in headers
+
+    def handle(self, body: bytes, respond: Callable[..., None]) -> None:
+        respond(200, self.answer, ())
+
+
 def _bare_main(conn: Connection) -> None:
     """Child process: the bare app behind the agent's own server (``ApiServer``: the same
-    uvicorn settings); sends its port, serves until told to stop."""
+    uvicorn settings, and its uploads taken by the protocol as the agent's are); sends
+    its port, serves until told to stop."""
     from edge_agent.sources.http import ApiServer
 
-    with ApiServer(bare_app(_bare_answer())) as server:
+    answer = _bare_answer()
+    with ApiServer(bare_app(answer), raw_route=BareRoute(answer)) as server:
         conn.send(server.port)
         conn.recv()
 
@@ -558,9 +577,9 @@ def _http(
     run in ``layout``, the agents in ``served`` (default: the same).
 
     Each round also sends a burst to the agent's twins with routing off (nothing
-    forwarded) and with every frame forwarded, and to a bare server (``bare_app``: the
-    same uvicorn settings, no decoding, inference or routing), to tell the HTTP layer's
-    and the forward path's costs from the rest of the agent's.
+    forwarded) and with every frame forwarded, and to a bare server (``BareRoute``: the
+    same uvicorn settings and upload path, no decoding, inference or routing), to tell
+    the HTTP layer's and the forward path's costs from the rest of the agent's.
     """
     task, _side = _model_info(model)
     raw_loops = _raw_loops(model, jpegs, layout)
@@ -1428,8 +1447,9 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
         " fastest; agent"
         " routing at its defaults; RSS of `edge-agent run` after serving. Each round also sends one"
         " burst to a second `edge-agent run` with routing off (nothing forwarded) and one"
-        " to a bare server (the agent's uvicorn settings, an app that reads each body and"
-        " answers a fixed answer-sized JSON: the HTTP layer alone). The ceiling is the"
+        " to a bare server (the agent's uvicorn settings, its uploads taken by the server's"
+        " protocol as the agent's are and answered with a fixed answer-sized JSON: the HTTP"
+        " layer alone). The ceiling is the"
         " raw loop's CPU per frame over that plus the bare server's and the load client's"
         " CPU per request: the ratio an agent whose only cost beyond the raw loop were"
         " serving HTTP would reach with as many cores busy. A third `edge-agent run`"

@@ -3,8 +3,11 @@
 Routes stay thin: check the request, hand the bytes to the agent, shape the answer.
 
 ``POST /v1/frames`` with a JPEG or PNG body is the hot path, so it does not go
-through FastAPI's middleware, routing and request objects: ``AgentApi`` reads the
-body itself, and one job on the decode pool checks, decodes (OpenCV,
+through FastAPI's middleware, routing and request objects: with a declared length
+(the usual upload) the server's protocol hands the body straight to
+``_FrameRoute`` (``shared.http_limits.RawRoute``: no ASGI task, scope or messages,
+and the answer written in one piece); otherwise (a chunked body, say) ``AgentApi``
+reads the body itself. Either way one job on the decode pool checks, decodes (OpenCV,
 GIL released, so decoding overlaps inference) and queues the frame for the
 micro-batcher; the answers come back to the event loop as ready-made JSON bytes,
 with one cross-thread wake-up for all the answers of a batch, and one timer for
@@ -19,11 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import math
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 from fastapi import FastAPI, Request
@@ -38,7 +43,14 @@ from edge_agent.imaging import ACCEPTED, ACCEPTED_CONTENT_TYPES, ImageRejected
 from edge_agent.localauth import bearer_refusal
 from edge_agent.sources import RateLimiter
 from shared.errors import EdgeLoopError, TransportError
-from shared.http_limits import BodyRule, HttpLimitsMiddleware, ServerLimits, server_config
+from shared.http_limits import (
+    BodyRule,
+    HttpLimitsMiddleware,
+    RawResponder,
+    RawRoute,
+    ServerLimits,
+    server_config,
+)
 from shared.lifecycle import Workers
 
 if TYPE_CHECKING:
@@ -46,6 +58,8 @@ if TYPE_CHECKING:
     from edge_agent.intake import FrameResult
 
 __all__ = ["AgentApi", "ApiServer", "create_app"]
+
+log = logging.getLogger(__name__)
 
 SOURCE = "http"
 _ACCEPTED_TYPES = (*ACCEPTED_CONTENT_TYPES, "multipart/form-data")
@@ -63,6 +77,16 @@ def _refusal(message: str, reason: str) -> dict[str, str]:
 
 def _refuse(status: int, message: str, reason: str) -> JSONResponse:
     return JSONResponse(_refusal(message, reason), status_code=status)
+
+
+class _Waiter(Protocol):
+    """What waits for an upload's answer: an asyncio future, or a ``_RawWaiter``."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: bytes) -> None: ...
+
+    def set_exception(self, exception: BaseException) -> None: ...
 
 
 class _Frames:
@@ -108,10 +132,14 @@ class _Frames:
         Called on ``loop``. The future raises TimeoutError after ``infer_timeout_s``.
         """
         waiter: asyncio.Future[bytes] = loop.create_future()
+        self.answer_to(body, loop, waiter)
+        return waiter
+
+    def answer_to(self, body: bytes, loop: asyncio.AbstractEventLoop, waiter: _Waiter) -> None:
+        """``answer`` into ``waiter`` (raises RuntimeError once the decode pool is shut down)."""
         outbox = self._outbox(loop)
         outbox.watch(waiter, self.timeout_s)
         self.pool.submit(self._decode_and_queue, body, outbox, waiter)
-        return waiter
 
     def _outbox(self, loop: asyncio.AbstractEventLoop) -> _Outbox:
         outbox = self._outboxes.get(loop)
@@ -124,9 +152,7 @@ class _Frames:
                 outbox = self._outboxes[loop]
         return outbox
 
-    def _decode_and_queue(
-        self, body: bytes, outbox: _Outbox, waiter: asyncio.Future[bytes]
-    ) -> None:
+    def _decode_and_queue(self, body: bytes, outbox: _Outbox, waiter: _Waiter) -> None:
         # On a decode thread: decoding releases the GIL, so several run beside inference.
         def reply(result: FrameResult | None, error: BaseException | None) -> None:
             # On an agent thread, for a whole batch in a row: the JSON is made here, off
@@ -166,13 +192,11 @@ class _Outbox:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Future[bytes], bytes | None, BaseException | None]] = []
-        self._deadlines: collections.deque[tuple[float, asyncio.Future[bytes]]] = (
-            collections.deque()
-        )
+        self._items: list[tuple[_Waiter, bytes | None, BaseException | None]] = []
+        self._deadlines: collections.deque[tuple[float, _Waiter]] = collections.deque()
         self._timer: asyncio.TimerHandle | None = None
 
-    def watch(self, waiter: asyncio.Future[bytes], timeout_s: float) -> None:
+    def watch(self, waiter: _Waiter, timeout_s: float) -> None:
         """On the loop: fail ``waiter`` with TimeoutError unless answered within ``timeout_s``."""
         deadlines = self._deadlines
         while deadlines and deadlines[0][1].done():  # answered: forget them (and their bytes)
@@ -195,9 +219,7 @@ class _Outbox:
         if deadlines:
             self._timer = self.loop.call_at(deadlines[0][0], self._expire)
 
-    def put(
-        self, waiter: asyncio.Future[bytes], data: bytes | None, error: BaseException | None
-    ) -> None:
+    def put(self, waiter: _Waiter, data: bytes | None, error: BaseException | None) -> None:
         """Resolve ``waiter`` on its loop with ``data`` (or raise ``error`` there)."""
         with self._lock:
             self._items.append((waiter, data, error))
@@ -219,6 +241,72 @@ class _Outbox:
                 waiter.set_exception(error)
             else:
                 waiter.set_result(data)  # type: ignore[arg-type]
+
+
+class _FrameRoute:
+    """``POST /v1/frames`` with a raw image body and a declared length, answered by the
+    server's protocol (``shared.http_limits.RawRoute``) with the same limits, rate
+    limit, decoding, answers and refusals as ``_post_frame``."""
+
+    path = b"/v1/frames"
+
+    def __init__(self, frames: _Frames) -> None:
+        self.frames = frames
+        self.max_bytes = frames.max_bytes + _HEADER_SLACK  # over it: the ASGI path's 413
+
+    def accepts(self, headers: Sequence[tuple[bytes, bytes]]) -> bool:
+        content_types = [value for name, value in headers if name == b"content-type"]
+        if len(content_types) != 1:
+            return False  # none, or an ambiguous pair: the ASGI path says what is accepted
+        return content_types[0].split(b";", 1)[0].strip().lower() in _RAW_TYPES
+
+    def handle(self, body: bytes, respond: RawResponder) -> None:
+        frames = self.frames
+        limited = frames.rate_limited()
+        if limited is not None:
+            frames.count_refusal("rate_limited")
+            why, retry_after = limited
+            retry = [(b"retry-after", str(retry_after).encode("ascii"))]
+            respond(429, _json(_refusal(why, "rate_limited")), retry)
+            return
+        waiter = _RawWaiter(frames, respond)
+        try:
+            frames.answer_to(body, asyncio.get_running_loop(), waiter)
+        except Exception as exc:  # the decode pool is shut down: the agent is stopping
+            waiter.set_exception(exc)
+
+
+class _RawWaiter:
+    """Waits for one ``_FrameRoute`` upload's answer and has the protocol write it (on
+    the loop: the outbox drains there)."""
+
+    __slots__ = ("_done", "frames", "respond")
+
+    def __init__(self, frames: _Frames, respond: RawResponder) -> None:
+        self.frames = frames
+        self.respond = respond
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, result: bytes) -> None:
+        self._answer(200, result)
+
+    def set_exception(self, exception: BaseException) -> None:
+        status, refusal = _failure(exception)
+        if isinstance(exception, ImageRejected):
+            self.frames.count_refusal(exception.reason)
+        self._answer(status, _json(refusal))
+
+    def _answer(self, status: int, body: bytes) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self.respond(status, body, ())
+        except Exception:  # one connection's failure must not stop the others' answers
+            log.exception("could not write an upload's answer")
 
 
 def _failure(exc: BaseException) -> tuple[int, dict[str, str]]:
@@ -490,7 +578,11 @@ async def _file_from_form(request: Request, max_bytes: int) -> bytes | JSONRespo
 
 
 class ApiServer:
-    """uvicorn serving the agent's app in a named thread: ``with ApiServer(app, port=0) as s``."""
+    """uvicorn serving the agent's app in a named thread: ``with ApiServer(app, port=0) as s``.
+
+    The agent's app has its frame uploads answered by the server's protocol
+    (``_FrameRoute``); ``raw_route`` names another such route for any other app.
+    """
 
     def __init__(
         self,
@@ -499,6 +591,7 @@ class ApiServer:
         host: str = "127.0.0.1",
         port: int = 0,
         limits: ServerLimits | None = None,
+        raw_route: RawRoute | None = None,
     ) -> None:
         import uvicorn
 
@@ -508,11 +601,14 @@ class ApiServer:
         self.port = port or free_port(host)
         if limits is None and isinstance(app, AgentApi) and app.frames is not None:
             limits = app.frames.agent.settings.http_server_limits
+        if raw_route is None and isinstance(app, AgentApi) and app.frames is not None:
+            raw_route = _FrameRoute(app.frames)
         config = server_config(
             app,
             host=host,
             port=self.port,
             limits=limits or ServerLimits(),
+            raw_route=raw_route,
             log_level="warning",
             access_log=False,
             lifespan="off",

@@ -28,6 +28,18 @@ def test_the_bare_server_reads_each_body_and_answers_an_answer_sized_json() -> N
     assert response.content == answer
 
 
+def test_the_bare_server_takes_uploads_by_the_agents_raw_route() -> None:
+    answer = bench_agent._bare_answer()
+    route = bench_agent.BareRoute(answer)
+    body = bench_agent._frames(1)[0]
+    with ApiServer(bench_agent.bare_app(b'{"app": true}'), raw_route=route) as server:
+        response = httpx.post(
+            server.url + "/v1/frames", content=body, headers={"content-type": "image/jpeg"}
+        )
+    assert response.status_code == 200
+    assert response.content == answer  # the route's, not the app's
+
+
 def test_a_burst_sends_every_request_over_keep_alive_connections_and_times_each() -> None:
     frames = bench_agent._frames(3)
     with ApiServer(bench_agent.bare_app(b'{"ok": true}')) as server:
