@@ -7,6 +7,7 @@ import asyncio
 import json
 import queue
 import socket
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -206,6 +207,34 @@ def test_an_answer_for_a_client_gone_meanwhile_is_dropped_and_others_are_served(
     assert held[0] == b"next"
     answer(held, 200, b'{"ok": true}')
     assert reader.response()[:1] == (200,)
+
+
+def test_a_request_in_flight_at_shutdown_is_answered_then_its_connection_closed(
+    route: HeldRoute, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = ApiServer(asgi_app, raw_route=route).start()
+    protocol = server.server.config.http_protocol_class
+    asked = threading.Event()
+    shutdown = protocol.shutdown  # type: ignore[attr-defined]
+
+    def shutdown_and_tell(self: Any) -> None:
+        shutdown(self)
+        asked.set()
+
+    monkeypatch.setattr(protocol, "shutdown", shutdown_and_tell)
+    with socket.create_connection((server.host, server.port), timeout=60) as sock:
+        reader = Reader(sock)
+        sock.sendall(post(b"late"))
+        held = route.next()
+        stopping = threading.Thread(target=server.stop)
+        stopping.start()
+        assert asked.wait(60)  # the server waits for the answer before it stops
+        answer(held, 200, b'{"late": true}')
+        status, headers, body = reader.response()
+        assert (status, body, headers[b"connection"]) == (200, b'{"late": true}', b"close")
+        assert sock.recv(1) == b""
+        stopping.join(60)
+    assert not stopping.is_alive()
 
 
 def test_frame_uploads_with_a_declared_length_skip_the_asgi_app(
