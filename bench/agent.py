@@ -494,7 +494,7 @@ def bare_app(answer: bytes) -> Callable[..., Any]:
 
 class BareRoute:
     """The agent's frame uploads as its server's protocol takes them
-    (``shared.http_limits.RawRoute``), answered at once with ``answer``."""
+    (``shared.http_server.RawRoute``), answered at once with ``answer``."""
 
     path = b"/v1/frames"
     max_bytes = 1 << 24

@@ -37,7 +37,7 @@ from cloud_service.settings import CloudSettings
 from cloud_service.worker import VerifierWorker
 from shared.console import configure_logging
 from shared.errors import ConfigError
-from shared.http_limits import server_config
+from shared.http_server import server_config
 from shared.lifecycle import Workers
 from shared.mqtt import negotiate_protocol
 

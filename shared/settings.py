@@ -27,7 +27,7 @@ from pydantic_settings import (
 
 from shared.envelope import EnvelopeLimits
 from shared.errors import ConfigError
-from shared.http_limits import ServerLimits
+from shared.http_server import ServerLimits
 from shared.images import DEFAULT_ISOLATE_COST
 from shared.mqtt import MqttTarget
 from shared.topics import Topics
@@ -90,7 +90,8 @@ class EdgeLoopSettings(BaseSettings):
         " (progressive JPEGs always are)",
     )
 
-    # HTTP server limits (shared/http_limits.py); subclasses add their body limits.
+    # HTTP server limits (shared/http_server.py, shared/http_limits.py); subclasses add
+    # their body limits.
     http_header_timeout_s: float = Field(
         default=10.0,
         gt=0,

@@ -1,331 +1,55 @@
 """The local HTTP API: ``POST /v1/frames`` and the health, status and metrics routes.
 
 Routes stay thin: check the request, hand the bytes to the agent, shape the answer.
-
-``POST /v1/frames`` with a JPEG or PNG body is the hot path, so it does not go
-through FastAPI's middleware, routing and request objects: with a declared length
-(the usual upload) the server's protocol hands the body straight to
-``_FrameRoute`` (``shared.http_limits.RawRoute``: no ASGI task, scope or messages,
-and the answer written in one piece); otherwise (a chunked body, say) ``AgentApi``
-reads the body itself. Either way one job on the decode pool checks, decodes (OpenCV,
-GIL released, so decoding overlaps inference) and queues the frame for the
-micro-batcher; the answers come back to the event loop as ready-made JSON bytes,
-with one cross-thread wake-up for all the answers of a batch, and one timer for
-the timeouts of all waiting uploads. Multipart uploads and refusals of other
-content types go through the FastAPI route. Both share one rate limit: over it,
-a 429 with ``Retry-After``. In front of both, ``shared.http_limits`` holds every
-route's body to its limit before it is read, refuses control characters in the
-path and query, and the server closes connections whose request head is slow.
+Frame uploads are the hot path (``edge_agent.sources.uploads``): one with a declared
+length is answered by the server's protocol itself, a chunked JPEG or PNG body by
+``AgentApi`` without FastAPI's stack, a multipart one by the FastAPI route; all
+share one rate limit (over it, a 429 with ``Retry-After``). In front of every route,
+``shared.http_limits`` holds each body to its limit before it is read and refuses
+control characters in the path and query; the server (``shared.http_server``)
+closes connections whose request head is slow.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import logging
-import math
-import queue
-import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import UploadFile
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from edge_agent.batcher import WorkerPool
-from edge_agent.imaging import ACCEPTED, ACCEPTED_CONTENT_TYPES, ImageRejected
+from edge_agent.imaging import ACCEPTED, ImageRejected
 from edge_agent.localauth import bearer_refusal
-from edge_agent.sources import RateLimiter
-from shared.errors import EdgeLoopError, TransportError
-from shared.http_limits import (
-    BodyRule,
-    HttpLimitsMiddleware,
-    RawResponder,
-    RawRoute,
-    ServerLimits,
-    server_config,
+from edge_agent.sources.uploads import (
+    ACCEPTED_TYPES,
+    HEADER_SLACK,
+    RAW_TYPES,
+    FrameRoute,
+    Frames,
+    failure,
+    file_from_form,
+    post_frame,
+    refuse,
 )
+from shared.errors import EdgeLoopError, TransportError
+from shared.http_limits import BodyRule, HttpLimitsMiddleware
+from shared.http_server import RawRoute, ServerLimits, server_config
 from shared.lifecycle import Workers
 
 if TYPE_CHECKING:
     from edge_agent.agent import Agent
-    from edge_agent.intake import FrameResult
 
 __all__ = ["AgentApi", "ApiServer", "create_app"]
-
-log = logging.getLogger(__name__)
-
-SOURCE = "http"
-_ACCEPTED_TYPES = (*ACCEPTED_CONTENT_TYPES, "multipart/form-data")
-_RAW_TYPES = tuple(t.encode("ascii") for t in ACCEPTED_CONTENT_TYPES)
-_HEADER_SLACK = 65536  # multipart framing around the image
-
-
-def _refusal(message: str, reason: str) -> dict[str, str]:
-    return {
-        "detail": message,
-        "reason": reason,
-        "accepted": ACCEPTED + ", or multipart/form-data with one file part",
-    }
-
-
-def _refuse(status: int, message: str, reason: str) -> JSONResponse:
-    return JSONResponse(_refusal(message, reason), status_code=status)
-
-
-class _Waiter(Protocol):
-    """What waits for an upload's answer: an asyncio future, or a ``_RawWaiter``."""
-
-    def done(self) -> bool: ...
-
-    def set_result(self, result: bytes) -> None: ...
-
-    def set_exception(self, exception: BaseException) -> None: ...
-
-
-class _Frames:
-    """What both upload paths share: limits, the rate limit, the decode pool, refusals."""
-
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
-        settings = agent.settings
-        self.max_bytes = settings.max_image_bytes
-        self.timeout_s = settings.infer_timeout_s
-        self.max_fps = settings.http_max_fps
-        self.limiter = RateLimiter(self.max_fps) if self.max_fps else None
-        self.pool = WorkerPool(settings.http_decode_threads, name="http-decode")
-        self._outboxes: dict[asyncio.AbstractEventLoop, _Outbox] = {}
-        self._outboxes_lock = threading.Lock()
-
-    def count_refusal(self, reason: str) -> None:
-        self.agent.telemetry.bad_input.labels(SOURCE, reason).inc()
-
-    def over_declared_size(self, declared: bytes | str | None) -> str | None:
-        """A refusal message when the declared Content-Length is over the limit."""
-        if declared is None or not declared.isdigit():
-            return None
-        size = int(declared)
-        if size <= self.max_bytes + _HEADER_SLACK:
-            return None
-        return f"request of {size} bytes is over the limit of {self.max_bytes} image bytes"
-
-    def rate_limited(self) -> tuple[str, int] | None:
-        """(message, Retry-After seconds) when this upload is over the HTTP source's rate."""
-        if self.limiter is None or self.limiter.try_take():
-            return None
-        wait = self.limiter.wait_time()
-        return (
-            f"frame rate over this source's limit of {self.max_fps:g} frames/s;"
-            f" retry in {wait:.2f} s",
-            max(1, math.ceil(wait)),
-        )
-
-    def answer(self, body: bytes, loop: asyncio.AbstractEventLoop) -> asyncio.Future[bytes]:
-        """Decode and queue ``body``; the asyncio future resolves with the answer's JSON.
-
-        Called on ``loop``. The future raises TimeoutError after ``infer_timeout_s``.
-        """
-        waiter: asyncio.Future[bytes] = loop.create_future()
-        self.answer_to(body, loop, waiter)
-        return waiter
-
-    def answer_to(self, body: bytes, loop: asyncio.AbstractEventLoop, waiter: _Waiter) -> None:
-        """``answer`` into ``waiter`` (raises RuntimeError once the decode pool is shut down)."""
-        outbox = self._outbox(loop)
-        outbox.watch(waiter, self.timeout_s)
-        self.pool.submit(self._decode_and_queue, body, outbox, waiter)
-
-    def _outbox(self, loop: asyncio.AbstractEventLoop) -> _Outbox:
-        outbox = self._outboxes.get(loop)
-        if outbox is None:
-            with self._outboxes_lock:  # one per event loop serving the app (usually one)
-                self._outboxes = {
-                    **{k: v for k, v in self._outboxes.items() if not k.is_closed()},
-                    loop: _Outbox(loop),
-                }
-                outbox = self._outboxes[loop]
-        return outbox
-
-    def _decode_and_queue(self, body: bytes, outbox: _Outbox, waiter: _Waiter) -> None:
-        # On a decode thread: decoding releases the GIL, so several run beside inference.
-        def reply(result: FrameResult | None, error: BaseException | None) -> None:
-            # On an agent thread, for a whole batch in a row: the JSON is made here, off
-            # the event loop, and the outbox wakes the loop once for the lot. orjson: a
-            # detector's answer (a dozen boxes) in about 2 us against json's 22, with the
-            # interpreter lock held either way; a NaN would be null, never bare NaN.
-            if error is None:
-                assert result is not None
-                try:
-                    outbox.put(waiter, _json(result.as_dict()), None)
-                    return
-                except BaseException as exc:
-                    error = exc
-            outbox.put(waiter, None, error)
-
-        try:
-            frame = self.agent.decode_for_model(body)
-            self.agent.answer_frame(frame, reply, source=SOURCE)
-        except BaseException as exc:
-            outbox.put(waiter, None, exc)
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False)
-
-
-class _Outbox:
-    """Answers on their way back to one event loop: one wake-up for all that gather.
-
-    Agent threads ``put`` answers; the first one into an empty outbox schedules a
-    drain on the loop, and the others of the same batch ride along with it.
-
-    It also times the waiters out: the timeout is the same for every upload, so the
-    deadlines come in order, and one timer for the oldest waiter replaces a timer
-    (scheduled, then cancelled) per request.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._items: list[tuple[_Waiter, bytes | None, BaseException | None]] = []
-        self._deadlines: collections.deque[tuple[float, _Waiter]] = collections.deque()
-        self._timer: asyncio.TimerHandle | None = None
-
-    def watch(self, waiter: _Waiter, timeout_s: float) -> None:
-        """On the loop: fail ``waiter`` with TimeoutError unless answered within ``timeout_s``."""
-        deadlines = self._deadlines
-        while deadlines and deadlines[0][1].done():  # answered: forget them (and their bytes)
-            deadlines.popleft()
-        deadline = self.loop.time() + timeout_s
-        if deadlines and deadline < deadlines[-1][0]:
-            deadline = deadlines[-1][0]  # the clock is monotonic; keep the order anyway
-        deadlines.append((deadline, waiter))
-        if self._timer is None:
-            self._timer = self.loop.call_at(deadline, self._expire)
-
-    def _expire(self) -> None:
-        self._timer = None
-        deadlines = self._deadlines
-        now = self.loop.time()
-        while deadlines and (deadlines[0][1].done() or deadlines[0][0] <= now):
-            _, waiter = deadlines.popleft()
-            if not waiter.done():
-                waiter.set_exception(TimeoutError("no answer in time"))
-        if deadlines:
-            self._timer = self.loop.call_at(deadlines[0][0], self._expire)
-
-    def put(self, waiter: _Waiter, data: bytes | None, error: BaseException | None) -> None:
-        """Resolve ``waiter`` on its loop with ``data`` (or raise ``error`` there)."""
-        with self._lock:
-            self._items.append((waiter, data, error))
-            if len(self._items) > 1:
-                return  # a drain is already scheduled
-        try:
-            self.loop.call_soon_threadsafe(self._drain)
-        except RuntimeError:  # the server's loop is closed, so nobody is waiting any more
-            with self._lock:
-                self._items.clear()
-
-    def _drain(self) -> None:
-        with self._lock:
-            items, self._items = self._items, []
-        for waiter, data, error in items:
-            if waiter.done():  # timed out meanwhile
-                continue
-            if error is not None:
-                waiter.set_exception(error)
-            else:
-                waiter.set_result(data)  # type: ignore[arg-type]
-
-
-class _FrameRoute:
-    """``POST /v1/frames`` with a raw image body and a declared length, answered by the
-    server's protocol (``shared.http_limits.RawRoute``) with the same limits, rate
-    limit, decoding, answers and refusals as ``_post_frame``."""
-
-    path = b"/v1/frames"
-
-    def __init__(self, frames: _Frames) -> None:
-        self.frames = frames
-        self.max_bytes = frames.max_bytes + _HEADER_SLACK  # over it: the ASGI path's 413
-
-    def accepts(self, headers: Sequence[tuple[bytes, bytes]]) -> bool:
-        content_types = [value for name, value in headers if name == b"content-type"]
-        if len(content_types) != 1:
-            return False  # none, or an ambiguous pair: the ASGI path says what is accepted
-        return content_types[0].split(b";", 1)[0].strip().lower() in _RAW_TYPES
-
-    def handle(self, body: bytes, respond: RawResponder) -> None:
-        frames = self.frames
-        limited = frames.rate_limited()
-        if limited is not None:
-            frames.count_refusal("rate_limited")
-            why, retry_after = limited
-            retry = [(b"retry-after", str(retry_after).encode("ascii"))]
-            respond(429, _json(_refusal(why, "rate_limited")), retry)
-            return
-        waiter = _RawWaiter(frames, respond)
-        try:
-            frames.answer_to(body, asyncio.get_running_loop(), waiter)
-        except Exception as exc:  # the decode pool is shut down: the agent is stopping
-            waiter.set_exception(exc)
-
-
-class _RawWaiter:
-    """Waits for one ``_FrameRoute`` upload's answer and has the protocol write it (on
-    the loop: the outbox drains there)."""
-
-    __slots__ = ("_done", "frames", "respond")
-
-    def __init__(self, frames: _Frames, respond: RawResponder) -> None:
-        self.frames = frames
-        self.respond = respond
-        self._done = False
-
-    def done(self) -> bool:
-        return self._done
-
-    def set_result(self, result: bytes) -> None:
-        self._answer(200, result)
-
-    def set_exception(self, exception: BaseException) -> None:
-        status, refusal = _failure(exception)
-        if isinstance(exception, ImageRejected):
-            self.frames.count_refusal(exception.reason)
-        self._answer(status, _json(refusal))
-
-    def _answer(self, status: int, body: bytes) -> None:
-        if self._done:
-            return
-        self._done = True
-        try:
-            self.respond(status, body, ())
-        except Exception:  # one connection's failure must not stop the others' answers
-            log.exception("could not write an upload's answer")
-
-
-def _failure(exc: BaseException) -> tuple[int, dict[str, str]]:
-    """Status and body for an upload that got no answer."""
-    if isinstance(exc, ImageRejected):
-        return exc.status, _refusal(exc.message, exc.reason)
-    if isinstance(exc, TimeoutError):
-        return 503, _refusal("inference timed out; the agent is overloaded", "timeout")
-    if isinstance(exc, queue.Full):
-        return 503, _refusal("the inference queue is full; the agent is overloaded", "overloaded")
-    if isinstance(exc, EdgeLoopError):
-        return 503, _refusal(f"inference failed: {exc}", exc.reason)
-    return 503, _refusal(f"inference failed: {exc}", "error")
 
 
 class AgentApi(FastAPI):
     """The agent's FastAPI app; ``POST /v1/frames`` with a JPEG/PNG body skips its stack."""
 
-    frames: _Frames | None = None
+    frames: Frames | None = None
     # The body limits and request hygiene every route gets first (shared/http_limits.py).
     guard: ASGIApp | None = None
 
@@ -352,76 +76,10 @@ class AgentApi(FastAPI):
                     content_type = value.split(b";", 1)[0].strip().lower()
                 elif name == b"content-length":
                     declared = value
-            if content_type in _RAW_TYPES:
-                await _post_frame(frames, declared, receive, send)
+            if content_type in RAW_TYPES:
+                await post_frame(frames, declared, receive, send)
                 return
         await super().__call__(scope, receive, send)
-
-
-async def _post_frame(
-    frames: _Frames, declared: bytes | None, receive: Receive, send: Send
-) -> None:
-    too_large = frames.over_declared_size(declared)
-    if too_large is not None:
-        frames.count_refusal("too_large")
-        await _send_json(send, 413, _refusal(too_large, "too_large"))
-        return
-    limited = frames.rate_limited()
-    if limited is not None:
-        frames.count_refusal("rate_limited")
-        why, retry_after = limited
-        await _send_json(send, 429, _refusal(why, "rate_limited"), retry_after=retry_after)
-        return
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > frames.max_bytes + _HEADER_SLACK:  # chunked, with no declared length
-            frames.count_refusal("too_large")
-            over = f"request body over the limit of {frames.max_bytes} image bytes"
-            await _send_json(send, 413, _refusal(over, "too_large"))
-            return
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            break
-    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    try:
-        data = await frames.answer(body, asyncio.get_running_loop())
-    except Exception as exc:
-        status, refusal = _failure(exc)
-        if isinstance(exc, ImageRejected):
-            frames.count_refusal(exc.reason)
-        await _send_json(send, status, refusal)
-        return
-    await _send(send, 200, data)
-
-
-def _json(body: dict[str, Any]) -> bytes:
-    """``body`` as JSON (numpy numbers as numbers; NaN and infinities as null)."""
-    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
-
-
-async def _send_json(
-    send: Send, status: int, body: dict[str, Any], *, retry_after: int | None = None
-) -> None:
-    extra = [(b"retry-after", str(retry_after).encode())] if retry_after is not None else []
-    await _send(send, status, _json(body), extra)
-
-
-async def _send(
-    send: Send, status: int, data: bytes, extra: list[tuple[bytes, bytes]] | None = None
-) -> None:
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(data)).encode()),
-        *(extra or []),
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": data})
 
 
 _FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data", "text/plain")
@@ -446,7 +104,7 @@ def _cross_site(request: Request) -> str | None:
 def create_app(agent: Agent) -> AgentApi:
     """The agent's HTTP API as a FastAPI app (served by uvicorn in ``edge-agent run``)."""
     app = AgentApi(title="EdgeLoop edge agent", version="1")
-    frames = _Frames(agent)
+    frames = Frames(agent)
     app.frames = frames
     app.guard = HttpLimitsMiddleware(
         app.dispatch,
@@ -455,7 +113,7 @@ def create_app(agent: Agent) -> AgentApi:
         rules=[
             BodyRule(
                 r"/v1/frames",
-                frames.max_bytes + _HEADER_SLACK,
+                frames.max_bytes + HEADER_SLACK,
                 ACCEPTED + ", or multipart/form-data with one file part",
                 methods=frozenset({"POST"}),
             )
@@ -465,13 +123,13 @@ def create_app(agent: Agent) -> AgentApi:
 
     def refused(status: int, message: str, reason: str) -> JSONResponse:
         frames.count_refusal(reason)
-        return _refuse(status, message, reason)
+        return refuse(status, message, reason)
 
     @app.post("/v1/frames")
     async def post_frame(request: Request) -> Response:
         # The FastAPI route sees multipart uploads and what the fast path does not accept.
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if content_type not in _ACCEPTED_TYPES:
+        if content_type not in ACCEPTED_TYPES:
             shown = content_type or "no Content-Type"
             return refused(
                 415, f"unsupported content type {shown!r}: send {ACCEPTED}", "content_type"
@@ -485,7 +143,7 @@ def create_app(agent: Agent) -> AgentApi:
             response.headers["Retry-After"] = str(limited[1])
             return response
         if content_type == "multipart/form-data":
-            body = await _file_from_form(request, frames.max_bytes)
+            body = await file_from_form(request, frames.max_bytes)
             if isinstance(body, JSONResponse):
                 frames.count_refusal("multipart")
                 return body
@@ -494,7 +152,7 @@ def create_app(agent: Agent) -> AgentApi:
         try:
             data = await frames.answer(body, asyncio.get_running_loop())
         except Exception as exc:
-            status, refusal = _failure(exc)
+            status, refusal = failure(exc)
             if isinstance(exc, ImageRejected):
                 frames.count_refusal(exc.reason)
             return JSONResponse(refusal, status_code=status)
@@ -526,12 +184,12 @@ def create_app(agent: Agent) -> AgentApi:
     async def rollback_model(request: Request) -> Response:
         cross_site = _cross_site(request)
         if cross_site is not None:
-            return _refuse(403, cross_site, "cross_site")
+            return refuse(403, cross_site, "cross_site")
         unauthorized = await run_in_threadpool(
             bearer_refusal, request.headers.get("authorization"), agent.settings
         )
         if unauthorized is not None:
-            response = _refuse(401, unauthorized, "unauthorized")
+            response = refuse(401, unauthorized, "unauthorized")
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
         try:
@@ -560,28 +218,11 @@ def create_app(agent: Agent) -> AgentApi:
     return app
 
 
-async def _file_from_form(request: Request, max_bytes: int) -> bytes | JSONResponse:
-    try:
-        form = await request.form(max_files=1, max_fields=8, max_part_size=max_bytes + 1)
-    except Exception as exc:  # starlette raises several kinds for a malformed body
-        return _refuse(400, f"malformed multipart body: {exc}", "multipart")
-    try:
-        files = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
-        if len(files) != 1:
-            return _refuse(
-                400, f"multipart body has {len(files)} file parts, expected one", "multipart"
-            )
-        data = await files[0].read(max_bytes + 1)
-        return data
-    finally:
-        await form.close()
-
-
 class ApiServer:
     """uvicorn serving the agent's app in a named thread: ``with ApiServer(app, port=0) as s``.
 
     The agent's app has its frame uploads answered by the server's protocol
-    (``_FrameRoute``); ``raw_route`` names another such route for any other app.
+    (``FrameRoute``); ``raw_route`` names another such route for any other app.
     """
 
     def __init__(
@@ -602,7 +243,7 @@ class ApiServer:
         if limits is None and isinstance(app, AgentApi) and app.frames is not None:
             limits = app.frames.agent.settings.http_server_limits
         if raw_route is None and isinstance(app, AgentApi) and app.frames is not None:
-            raw_route = _FrameRoute(app.frames)
+            raw_route = FrameRoute(app.frames)
         config = server_config(
             app,
             host=host,

@@ -243,7 +243,7 @@ def test_heartbeat_is_published_retained(
 
 
 def test_answers_are_strict_json_whatever_numbers_an_engine_gives() -> None:
-    from edge_agent.sources.http import _json
+    from edge_agent.sources.uploads import _json
 
     body = {"scores": [np.float32(0.25), float("nan")], "predicted": np.int64(3), "x": 1.5}
     text = _json(body)

@@ -1,4 +1,4 @@
-"""Requests the server's protocol answers itself (shared.http_limits.RawRoute), and the
+"""Requests the server's protocol answers itself (shared.http_server.RawRoute), and the
 ones it leaves to the ASGI app: which goes where, order, keep-alive, lost clients."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from edge_agent.settings import AgentSettings
 from edge_agent.sources import http as http_source
 from edge_agent.sources.http import ApiServer, create_app
 from edge_agent.testing import MemoryPublisher
-from shared.http_limits import RawResponder, Receive, Scope, Send
+from shared.http_limits import Receive, Scope, Send
+from shared.http_server import RawResponder
 
 Held = tuple[bytes, RawResponder, asyncio.AbstractEventLoop]
 

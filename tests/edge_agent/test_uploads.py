@@ -261,12 +261,12 @@ def test_an_upload_with_no_answer_in_time_gets_503_and_later_ones_still_get_answ
 def test_answers_of_one_batch_wake_the_event_loop_once(
     make_settings: Callable[..., AgentSettings], engine: object, make_image: Callable[..., bytes]
 ) -> None:
-    import edge_agent.sources.http as http_source
+    import edge_agent.sources.uploads as uploads
 
     drains = 0
-    drain = http_source._Outbox._drain
+    drain = uploads._Outbox._drain
 
-    def counted(self: http_source._Outbox) -> None:
+    def counted(self: uploads._Outbox) -> None:
         nonlocal drains
         drains += 1
         drain(self)
@@ -278,7 +278,7 @@ def test_answers_of_one_batch_wake_the_event_loop_once(
         ApiServer(create_app(agent)) as server,
         httpx.Client(base_url=server.url, limits=httpx.Limits(max_connections=8)) as client,
     ):
-        http_source._Outbox._drain = counted  # type: ignore[method-assign]
+        uploads._Outbox._drain = counted  # type: ignore[method-assign]
         try:
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
                 codes = list(
@@ -292,7 +292,7 @@ def test_answers_of_one_batch_wake_the_event_loop_once(
                     )
                 )
         finally:
-            http_source._Outbox._drain = drain  # type: ignore[method-assign]
+            uploads._Outbox._drain = drain  # type: ignore[method-assign]
         batches = agent.batcher.batches
     assert codes == [200] * 8
     assert batches < 8  # the uploads shared batches
