@@ -207,15 +207,16 @@ def header_limits_protocol(
 
         def on_message_complete(self) -> None:
             cycle = self.cycle
+            if not isinstance(cycle, _RawCycle):
+                super().on_message_complete()
+            # What follows is the next request's head (held to the time limit from the
+            # answer on, which a raw route may give at once).
+            self._in_head, self._head_bytes, self._head_size = True, 0, 0
             if isinstance(cycle, _RawCycle):
                 body = cycle.body[0] if len(cycle.body) == 1 else b"".join(cycle.body)
                 cycle.body = []
                 assert raw_route is not None
                 raw_route.handle(body, functools.partial(self._raw_respond, cycle))
-            else:
-                super().on_message_complete()
-            # What follows is the next request's head.
-            self._in_head, self._head_bytes, self._head_size = True, 0, 0
 
         def _raw_respond(
             self,

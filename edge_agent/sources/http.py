@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from edge_agent.imaging import ACCEPTED, ImageRejected
+from edge_agent.imaging import ACCEPTED
 from edge_agent.localauth import bearer_refusal
 from edge_agent.sources.uploads import (
     ACCEPTED_TYPES,
@@ -30,7 +30,6 @@ from edge_agent.sources.uploads import (
     RAW_TYPES,
     FrameRoute,
     Frames,
-    failure,
     file_from_form,
     post_frame,
     refuse,
@@ -152,9 +151,7 @@ def create_app(agent: Agent) -> AgentApi:
         try:
             data = await frames.answer(body, asyncio.get_running_loop())
         except Exception as exc:
-            status, refusal = failure(exc)
-            if isinstance(exc, ImageRejected):
-                frames.count_refusal(exc.reason)
+            status, refusal = frames.failure(exc)
             return JSONResponse(refusal, status_code=status)
         return Response(data, media_type="application/json")
 

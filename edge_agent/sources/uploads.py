@@ -47,7 +47,6 @@ __all__ = [
     "SOURCE",
     "FrameRoute",
     "Frames",
-    "failure",
     "file_from_form",
     "post_frame",
     "refuse",
@@ -99,6 +98,12 @@ class Frames:
 
     def count_refusal(self, reason: str) -> None:
         self.agent.telemetry.bad_input.labels(SOURCE, reason).inc()
+
+    def failure(self, exc: BaseException) -> tuple[int, dict[str, str]]:
+        """Status and body for an upload that got no answer (a refused image counted)."""
+        if isinstance(exc, ImageRejected):
+            self.count_refusal(exc.reason)
+        return _failure(exc)
 
     def over_declared_size(self, declared: bytes | str | None) -> str | None:
         """A refusal message when the declared Content-Length is over the limit."""
@@ -288,9 +293,7 @@ class _RawWaiter:
         self._answer(200, result)
 
     def set_exception(self, exception: BaseException) -> None:
-        status, refusal = failure(exception)
-        if isinstance(exception, ImageRejected):
-            self.frames.count_refusal(exception.reason)
+        status, refusal = self.frames.failure(exception)
         self._answer(status, _json(refusal))
 
     def _answer(self, status: int, body: bytes) -> None:
@@ -303,7 +306,7 @@ class _RawWaiter:
             log.exception("could not write an upload's answer")
 
 
-def failure(exc: BaseException) -> tuple[int, dict[str, str]]:
+def _failure(exc: BaseException) -> tuple[int, dict[str, str]]:
     """Status and body for an upload that got no answer."""
     if isinstance(exc, ImageRejected):
         return exc.status, _refusal(exc.message, exc.reason)
@@ -348,9 +351,7 @@ async def post_frame(frames: Frames, declared: bytes | None, receive: Receive, s
     try:
         data = await frames.answer(body, asyncio.get_running_loop())
     except Exception as exc:
-        status, refusal = failure(exc)
-        if isinstance(exc, ImageRejected):
-            frames.count_refusal(exc.reason)
+        status, refusal = frames.failure(exc)
         await _send_json(send, status, refusal)
         return
     await _send(send, 200, data)

@@ -19,7 +19,7 @@ from edge_agent.sources import http as http_source
 from edge_agent.sources.http import ApiServer, create_app
 from edge_agent.testing import MemoryPublisher
 from shared.http_limits import Receive, Scope, Send
-from shared.http_server import RawResponder
+from shared.http_server import RawResponder, ServerLimits
 
 Held = tuple[bytes, RawResponder, asyncio.AbstractEventLoop]
 
@@ -236,6 +236,26 @@ def test_a_request_in_flight_at_shutdown_is_answered_then_its_connection_closed(
         assert sock.recv(1) == b""
         stopping.join(60)
     assert not stopping.is_alive()
+
+
+class AnsweringRoute(HeldRoute):
+    """Answers each request at once, inside ``handle`` (as a rate-limit refusal does)."""
+
+    def handle(self, body: bytes, respond: RawResponder) -> None:
+        respond(200, b'{"at once": true}', ())
+
+
+def test_after_an_answer_given_at_once_a_slow_next_head_is_cut_off() -> None:
+    limits = ServerLimits(header_timeout_s=0.5)
+    with (
+        ApiServer(asgi_app, raw_route=AnsweringRoute(), limits=limits) as server,
+        socket.create_connection((server.host, server.port), timeout=60) as sock,
+    ):
+        reader = Reader(sock)
+        sock.sendall(post(b"x"))
+        assert reader.response()[2] == b'{"at once": true}'
+        sock.sendall(b"POST /ec")  # the next request's head, never finished
+        assert sock.recv(1024) == b""  # closed by the server
 
 
 def test_frame_uploads_with_a_declared_length_skip_the_asgi_app(
