@@ -206,17 +206,18 @@ def header_limits_protocol(
             super().on_body(body)
 
         def on_message_complete(self) -> None:
+            # What follows is the next request's head: held to the time limit from the
+            # answer on, which a raw route may give at once, inside ``handle``.
             cycle = self.cycle
             if not isinstance(cycle, _RawCycle):
                 super().on_message_complete()
-            # What follows is the next request's head (held to the time limit from the
-            # answer on, which a raw route may give at once).
+                self._in_head, self._head_bytes, self._head_size = True, 0, 0
+                return
             self._in_head, self._head_bytes, self._head_size = True, 0, 0
-            if isinstance(cycle, _RawCycle):
-                body = cycle.body[0] if len(cycle.body) == 1 else b"".join(cycle.body)
-                cycle.body = []
-                assert raw_route is not None
-                raw_route.handle(body, functools.partial(self._raw_respond, cycle))
+            body = cycle.body[0] if len(cycle.body) == 1 else b"".join(cycle.body)
+            cycle.body = []
+            assert raw_route is not None  # only a raw route makes a _RawCycle
+            raw_route.handle(body, functools.partial(self._raw_respond, cycle))
 
         def _raw_respond(
             self,

@@ -31,6 +31,7 @@ from edge_agent.sources.uploads import (
     FrameRoute,
     Frames,
     file_from_form,
+    media_type,
     post_frame,
     refuse,
 )
@@ -72,7 +73,7 @@ class AgentApi(FastAPI):
             declared: bytes | None = None
             for name, value in scope["headers"]:
                 if name == b"content-type":
-                    content_type = value.split(b";", 1)[0].strip().lower()
+                    content_type = media_type(value)
                 elif name == b"content-length":
                     declared = value
             if content_type in RAW_TYPES:
@@ -136,11 +137,10 @@ def create_app(agent: Agent) -> AgentApi:
         too_large = frames.over_declared_size(request.headers.get("content-length"))
         if too_large is not None:
             return refused(413, too_large, "too_large")
-        limited = frames.rate_limited()
+        limited = frames.rate_refusal()
         if limited is not None:
-            response = refused(429, limited[0], "rate_limited")
-            response.headers["Retry-After"] = str(limited[1])
-            return response
+            refusal, retry_after = limited
+            return JSONResponse(refusal, status_code=429, headers={"Retry-After": str(retry_after)})
         if content_type == "multipart/form-data":
             body = await file_from_form(request, frames.max_bytes)
             if isinstance(body, JSONResponse):

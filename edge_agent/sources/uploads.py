@@ -48,6 +48,7 @@ __all__ = [
     "FrameRoute",
     "Frames",
     "file_from_form",
+    "media_type",
     "post_frame",
     "refuse",
 ]
@@ -58,6 +59,11 @@ SOURCE = "http"
 ACCEPTED_TYPES = (*ACCEPTED_CONTENT_TYPES, "multipart/form-data")
 RAW_TYPES = tuple(t.encode("ascii") for t in ACCEPTED_CONTENT_TYPES)
 HEADER_SLACK = 65536  # multipart framing around the image
+
+
+def media_type(content_type: bytes) -> bytes:
+    """A Content-Type header's media type, lower-cased (``image/jpeg; q=1`` -> ``image/jpeg``)."""
+    return content_type.split(b";", 1)[0].strip().lower()
 
 
 def _refusal(message: str, reason: str) -> dict[str, str]:
@@ -114,16 +120,18 @@ class Frames:
             return None
         return f"request of {size} bytes is over the limit of {self.max_bytes} image bytes"
 
-    def rate_limited(self) -> tuple[str, int] | None:
-        """(message, Retry-After seconds) when this upload is over the HTTP source's rate."""
+    def rate_refusal(self) -> tuple[dict[str, str], int] | None:
+        """(refusal body, Retry-After seconds), counted, when this upload is over the
+        HTTP source's rate; None (and a frame taken from the rate) otherwise."""
         if self.limiter is None or self.limiter.try_take():
             return None
+        self.count_refusal("rate_limited")
         wait = self.limiter.wait_time()
-        return (
+        why = (
             f"frame rate over this source's limit of {self.max_fps:g} frames/s;"
-            f" retry in {wait:.2f} s",
-            max(1, math.ceil(wait)),
+            f" retry in {wait:.2f} s"
         )
+        return _refusal(why, "rate_limited"), max(1, math.ceil(wait))
 
     def answer(self, body: bytes, loop: asyncio.AbstractEventLoop) -> asyncio.Future[bytes]:
         """Decode and queue ``body``; the asyncio future resolves with the answer's JSON.
@@ -257,16 +265,14 @@ class FrameRoute:
         content_types = [value for name, value in headers if name == b"content-type"]
         if len(content_types) != 1:
             return False  # none, or an ambiguous pair: the ASGI path says what is accepted
-        return content_types[0].split(b";", 1)[0].strip().lower() in RAW_TYPES
+        return media_type(content_types[0]) in RAW_TYPES
 
     def handle(self, body: bytes, respond: RawResponder) -> None:
         frames = self.frames
-        limited = frames.rate_limited()
+        limited = frames.rate_refusal()
         if limited is not None:
-            frames.count_refusal("rate_limited")
-            why, retry_after = limited
-            retry = [(b"retry-after", str(retry_after).encode("ascii"))]
-            respond(429, _json(_refusal(why, "rate_limited")), retry)
+            refusal, retry_after = limited
+            respond(429, _json(refusal), [(b"retry-after", b"%d" % retry_after)])
             return
         waiter = _RawWaiter(frames, respond)
         try:
@@ -325,11 +331,10 @@ async def post_frame(frames: Frames, declared: bytes | None, receive: Receive, s
         frames.count_refusal("too_large")
         await _send_json(send, 413, _refusal(too_large, "too_large"))
         return
-    limited = frames.rate_limited()
+    limited = frames.rate_refusal()
     if limited is not None:
-        frames.count_refusal("rate_limited")
-        why, retry_after = limited
-        await _send_json(send, 429, _refusal(why, "rate_limited"), retry_after=retry_after)
+        refusal, retry_after = limited
+        await _send_json(send, 429, refusal, retry_after=retry_after)
         return
     chunks: list[bytes] = []
     size = 0
