@@ -366,15 +366,22 @@ class MqttConnection:
                 return
 
     def _pass(self, client: mqtt.Client, sock: BufferedSocket) -> mqtt.MQTTErrorCode:
-        """One pass of the io loop: hand over what is queued, wait for the socket or a
-        wake-up (not while read bytes are pending), write, read, keep alive."""
-        if self._connected.is_set():
-            self._write_queued(client)
+        """One pass of the io loop: wait for the socket or a wake-up (not while read bytes
+        are pending), hand over what is queued, write, read, keep alive.
+
+        What a wake-up hands over goes out in the same pass, when ``held`` ends: a
+        publish costs the pass that wakes for it and the one that reads its PUBACK,
+        not a third that only waits for the socket to take it.
+        """
+        connected = self._connected.is_set()
+        if connected and (self._outbox or self._acks):
+            self._write_queued(client)  # queued without a wake-up (a PUBACK was due)
+        if sock.unsent:
+            sock.flush()  # what the socket does not take now waits for it to be writable
         if sock.pending():  # read already: a chunk's next packets, decrypted TLS records
             readable: list[Any] = [sock]
             writable: list[Any] = []
         else:
-            # What _write_queued just gathered counts as unsent: the select returns at once.
             wanted: list[Any] = [sock] if client.want_write() or sock.unsent else []
             # Work wakes the select; the timeout paces keepalive pings (loop_misc)
             # and bounds the wait of a publish that counted on a PUBACK.
@@ -383,6 +390,8 @@ class MqttConnection:
             readable, writable, _ = select.select(watched, wanted, [], timeout)
         if self._wake.reader in readable:
             self._wake.clear()
+            if connected:
+                self._write_queued(client)
         rc = mqtt.MQTT_ERR_SUCCESS
         if sock in writable:  # before reading: a handler may wait (the verifier's inbox)
             sock.flush()

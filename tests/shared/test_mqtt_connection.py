@@ -145,6 +145,35 @@ def test_a_message_reaches_its_subscriptions_handler_and_a_delivery_its_puback(
     assert connection.health()["alive"] is False
 
 
+def test_a_publish_costs_the_wait_that_wakes_for_it_and_the_one_for_its_puback(
+    broker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a wake-up hands over is written in the same pass of the io loop: no third
+    wait just for the socket to take it (the loop waited three times per publish)."""
+    import shared.mqtt_connection as module
+
+    waits = 0
+    real_select = module.select.select
+
+    def counted(*args: Any) -> Any:
+        nonlocal waits
+        if threading.current_thread().name == "test-pub-io":
+            waits += 1
+        return real_select(*args)
+
+    publisher = _publisher(broker.target)
+    try:
+        monkeypatch.setattr(module.select, "select", counted)
+        topic = f"edgeloop-test/{uuid.uuid4().hex[:8]}/samples"
+        count = 20
+        for _ in range(count):  # one at a time: each wakes the idle loop, as a sparse sample
+            assert publisher.deliver(topic, b"x" * 20_000, qos=1).wait(SAFETY_NET_S)
+    finally:
+        publisher.stop()
+    # Two waits per publish; a keepalive timeout on a stalled machine may add one or two.
+    assert waits <= 2 * count + 3
+
+
 def test_a_shared_subscription_on_v5(mosquitto_target: MqttTarget, broker: Any) -> None:
     if broker.protocol != "5":
         pytest.skip("shared subscriptions need MQTT v5")
