@@ -14,11 +14,9 @@ sessions after users would give the probe the caller's session, and its clean st
 would discard what was queued).
 
 The io thread runs paho's external-loop API (``loop_read``, ``loop_write``,
-``loop_misc``) on its own ``select``. A publish on an idle connection wakes it at
-once through a socket pair; while a publish awaits its PUBACK, that PUBACK wakes the
-thread within a round trip and later publishes ride along (a wake-up for each cost
-the agent measurably more CPU per frame; a publish waits one io-loop tick at most
-if the PUBACK is slow, 20 ms, the select timeout while publishes are queued).
+``loop_misc``) on its own ``select``. A publish on an idle connection wakes it
+through a socket pair and is written in that pass; while a publish awaits its
+PUBACK, later ones ride along with it (20 ms at most: the select's timeout then).
 
 ``stop`` is idempotent and safe from any thread, during a reconnect too: it sets the
 stop event, wakes the io thread and joins it. On its way out the io thread writes
@@ -367,17 +365,12 @@ class MqttConnection:
 
     def _pass(self, client: mqtt.Client, sock: BufferedSocket) -> mqtt.MQTTErrorCode:
         """One pass of the io loop: wait for the socket or a wake-up (not while read bytes
-        are pending), hand over what is queued, write, read, keep alive.
-
-        What a wake-up hands over goes out in the same pass, when ``held`` ends: a
-        publish costs the pass that wakes for it and the one that reads its PUBACK,
-        not a third that only waits for the socket to take it.
-        """
+        are pending), hand over what is queued (written when ``held`` ends: a publish
+        costs the pass of its wake-up and of its PUBACK), write, read, keep alive."""
         connected = self._connected.is_set()
-        if connected and (self._outbox or self._acks):
-            self._write_queued(client)  # queued without a wake-up (a PUBACK was due)
-        if sock.unsent:
-            sock.flush()  # what the socket does not take now waits for it to be writable
+        if connected and (self._outbox or self._acks):  # queued while a PUBACK was due
+            self._write_queued(client)
+        sock.flush()  # what the kernel does not take now waits for the socket to be writable
         if sock.pending():  # read already: a chunk's next packets, decrypted TLS records
             readable: list[Any] = [sock]
             writable: list[Any] = []
