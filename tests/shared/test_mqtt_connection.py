@@ -152,6 +152,8 @@ def test_a_publish_costs_the_wait_that_wakes_for_it_and_the_one_for_its_puback(
     wait just for the socket to take it (the loop waited three times per publish)."""
     import shared.mqtt_connection as module
 
+    # module.select is the select module itself: the patch sees every thread's select,
+    # and counts the publisher's io thread only.
     waits = 0
     real_select = module.select.select
 
@@ -170,8 +172,9 @@ def test_a_publish_costs_the_wait_that_wakes_for_it_and_the_one_for_its_puback(
             assert publisher.deliver(topic, b"x" * 20_000, qos=1).wait(SAFETY_NET_S)
     finally:
         publisher.stop()
-    # Two waits per publish; a keepalive timeout on a stalled machine may add one or two.
-    assert waits <= 2 * count + 3
+    # Two waits per publish (three before: 60 here). A machine stalled past the loop's
+    # 1 s keepalive timeout adds a wait per stall; the margin allows ten.
+    assert waits <= 2 * count + 10
 
 
 def test_a_shared_subscription_on_v5(mosquitto_target: MqttTarget, broker: Any) -> None:
