@@ -3,19 +3,37 @@
 Keys are relative, slash-separated paths such as ``samples/{fleet}/{agent}/{id}.jpg``.
 The local folder (``cloud_service.blobs``) and the S3 bucket (``cloud_service.blobs_s3``)
 both check keys with ``check_blob_key``; ``cloud_service.blobs.open_blob_store`` picks one.
+
+A batch (``batch``, ``put_many``) may be stored under keys of the store's choosing:
+the local folder packs a batch into one file, and each blob is then read back by
+the key the batch gave it (``BlobBatch.keys``), never by the key it was offered under.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from shared.errors import StoreError
 
-__all__ = ["BlobStore", "check_blob_key", "sample_image_key"]
+__all__ = ["BlobBatch", "BlobStore", "check_blob_key", "sample_image_key"]
 
 _KEY_RE = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
+
+
+@dataclass(frozen=True)
+class BlobBatch:
+    """Blobs about to be stored: the key each is read back by, known before ``write``.
+
+    ``write()`` makes them all durable (one flush for all where possible). Until it
+    returns, a key may be seen half-written, so point nothing at these keys before
+    then (ingest inserts rows while the batch is written and commits after).
+    """
+
+    keys: list[str]
+    write: Callable[[], None]
 
 
 @runtime_checkable
@@ -24,12 +42,12 @@ class BlobStore(Protocol):
 
     def put(self, key: str, data: bytes) -> None: ...
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
-        """Store several blobs; durable when it returns (one flush for all where possible).
+    def batch(self, items: Sequence[tuple[str, bytes]]) -> BlobBatch:
+        """Several blobs to store, in order; their keys may differ from those offered."""
+        ...
 
-        For ingest: until it returns, a new key may be seen half-written (a local
-        store writes new files in place), so point nothing at these keys before then.
-        """
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[str]:
+        """``batch(items)``, written: the keys the blobs are stored under, in order."""
         ...
 
     def get(self, key: str) -> bytes: ...

@@ -5,7 +5,8 @@ optional prefix in one bucket. ``put`` returns once the store has answered the
 PUT with success: S3 and its compatibles acknowledge an object only after it is
 durably stored, and reads after that acknowledgement see it (strong
 read-after-write consistency), so a verifier may ack the MQTT message then.
-``put_many`` uploads a batch in parallel and returns when every object is stored.
+A batch (``batch``, ``put_many``) keeps the keys it is offered, one object each,
+uploaded in parallel; it is stored when every upload has been answered.
 
 boto3 is imported when a store is built, so installations that keep blobs in a
 local folder do not need it (``pip install edgeloop[s3]``).
@@ -13,12 +14,13 @@ local folder do not need it (``pip install edgeloop[s3]``).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from cloud_service.blobs_base import check_blob_key
+from cloud_service.blobs_base import BlobBatch, check_blob_key
 from shared.errors import ConfigError, StoreError
 
 if TYPE_CHECKING:
@@ -173,9 +175,16 @@ class S3BlobStore:
         except (ClientError, BotoCoreError) as exc:
             raise self._fail("write", key, exc) from exc
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
-        for key, _ in items:
-            check_blob_key(key)  # refuse a bad key before anything is uploaded
+    def batch(self, items: Sequence[tuple[str, bytes]]) -> BlobBatch:
+        keys = [check_blob_key(key) for key, _ in items]  # refused before any upload
+        return BlobBatch(keys, functools.partial(self._upload, list(items)))
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[str]:
+        batch = self.batch(items)
+        batch.write()
+        return batch.keys
+
+    def _upload(self, items: Sequence[tuple[str, bytes]]) -> None:
         if len(items) <= 1 or self.max_concurrency == 1:
             for key, data in items:
                 self.put(key, data)

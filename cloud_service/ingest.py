@@ -199,8 +199,9 @@ def classify(
         )
 
 
-def sample_row(sample: IngestSample, received_at: datetime) -> dict[str, Any]:
-    """The samples-table row of an accepted sample."""
+def sample_row(sample: IngestSample, received_at: datetime, image_key: str) -> dict[str, Any]:
+    """The samples-table row of an accepted sample whose image the blob store keeps
+    under ``image_key`` (the key its batch gave it)."""
     h = sample.header
     return {
         "sample_id": h.sample_id,
@@ -217,7 +218,7 @@ def sample_row(sample: IngestSample, received_at: datetime) -> dict[str, Any]:
         "edge_boxes": h.boxes,
         "route_reason": h.route_reason,
         "priority": h.priority,
-        "image_key": sample.image_key,
+        "image_key": image_key,
         "image_format": h.image_format,
         "image_width": h.image_width,
         "image_height": h.image_height,

@@ -210,14 +210,15 @@ class IngestStage:
                 statuses.append(outcome)
         # Images and rows are written side by side, and the rows commit only once the
         # images are durable: a row never points at an image that is not there. A crash
-        # in between leaves orphan files that the redelivery overwrites.
-        images = [(sample.image_key, sample.image) for sample in samples]
-        written = self._blob_writer.submit(self.blobs.put_many, images) if images else None
+        # in between, or a redelivered sample's second copy, leaves bytes in a pack that
+        # no row points at (the local store packs a batch's images into one file).
+        images = self.blobs.batch([(sample.image_key, sample.image) for sample in samples])
+        written = self._blob_writer.submit(images.write) if samples else None
         try:
             with self.sessions.begin() as session:
-                stored = crud.store_samples(
-                    session=session, rows=[sample_row(s, now) for s in samples]
-                )
+                keys = zip(samples, images.keys, strict=True)
+                rows = [sample_row(sample, now, key) for sample, key in keys]
+                stored = crud.store_samples(session=session, rows=rows)
                 unplaced = [s for s in samples if _key(s) not in stored]
                 dead = dead + [_id_conflict(s) for s in unplaced]
                 samples = [s for s in samples if _key(s) in stored]

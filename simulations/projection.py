@@ -214,7 +214,8 @@ def _measure_rows(database_url: str, rows: int) -> dict[str, Any]:
                 image_height=64,
                 image_bytes=2501,
             )
-            sample_rows.append(sample_row(IngestSample(header, b"", pixels), now))
+            sample = IngestSample(header, b"", pixels)
+            sample_rows.append(sample_row(sample, now, sample.image_key))
             verdict_rows.append(
                 {
                     "sample_id": header.sample_id,

@@ -44,8 +44,9 @@ def _store_sample(client: TestClient, **kwargs: object) -> str:
     header = make_header(image, **kwargs)  # type: ignore[arg-type]
     sample = IngestSample(header=header, image=image, pixels=decode_image(image, None))
     state.blobs.put(sample.image_key, image)
+    row = sample_row(sample, datetime.now(UTC), sample.image_key)
     with state.sessions.begin() as session:
-        crud.insert_samples(session=session, rows=[sample_row(sample, datetime.now(UTC))])
+        crud.insert_samples(session=session, rows=[row])
     return header.sample_id
 
 

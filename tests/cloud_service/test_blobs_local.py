@@ -1,4 +1,5 @@
-"""The local blob store: atomic writes, batches, folders made (and made again) as needed."""
+"""The local blob store: atomic single writes, a batch packed into one file, folders
+made (and made again) as needed, packed blobs read, checked and deleted by key."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from cloud_service import blobs as blobs_module
 from cloud_service.blobs import LocalBlobStore, sample_image_key
 from shared.errors import StoreError
 from shared.ids import new_sample_id
@@ -17,40 +19,122 @@ def keys(n: int, agent: str = "cam-1") -> list[str]:
     return [sample_image_key("fleet", agent, new_sample_id(), "jpeg") for _ in range(n)]
 
 
+def files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
 @pytest.mark.parametrize("fsync", [True, False])
-def test_put_and_put_many_store_every_blob_and_leave_no_temporary_files(
+def test_a_put_is_a_file_and_a_batch_is_one_pack_read_back_by_the_keys_it_gave(
     tmp_path: Path, fsync: bool
 ) -> None:
     store = LocalBlobStore(tmp_path / "blobs", fsync=fsync)
-    one, *batch = keys(5)
+    one, *offered = keys(5)
     store.put(one, b"first")
-    store.put_many([(key, key.encode()) for key in batch])
+    batch = [(key, f"image {i}".encode() * (i + 1)) for i, key in enumerate(offered)]
+    stored = store.put_many(batch)
     assert store.get(one) == b"first"
-    assert all(store.get(key) == key.encode() for key in batch)
+    assert [store.get(key) for key in stored] == [data for _, data in batch]
+    assert all(key.startswith("packs/") and key.endswith(".jpg") for key in stored)
+    assert not any(store.exists(key) for key in offered)  # read by the keys it gave
     store.put(one, b"replaced")  # a rewrite replaces the blob whole
     assert store.get(one) == b"replaced"
-    files = [p.name for p in (tmp_path / "blobs").rglob("*") if p.is_file()]
-    assert len(files) == 5
-    assert not [name for name in files if name.endswith(".tmp")]
-    assert store.fsync is fsync  # a batch does not change how single writes sync
+    on_disk = files(tmp_path / "blobs")
+    packs = [p for p in on_disk if p.suffix == ".pack"]
+    assert len(on_disk) == 2 and len(packs) == 1
+    assert packs[0].read_bytes() == b"".join(data for _, data in batch)
+    assert store.fsync is fsync
+
+
+def test_a_batch_names_its_keys_before_it_is_written(tmp_path: Path) -> None:
+    store = LocalBlobStore(tmp_path / "blobs", fsync=False)
+    pending = store.batch([(key, b"x" * 10) for key in keys(3)] + [("artifacts/a.onnx", b"")])
+    assert not any(store.exists(key) for key in pending.keys)
+    assert pending.keys[-1].endswith("/30-0.onnx")  # an empty blob is a blob too
+    pending.write()
+    assert [store.get(key) for key in pending.keys] == [b"x" * 10] * 3 + [b""]
+    assert store.batch([]).keys == []
 
 
 def test_a_folder_removed_behind_the_store_is_made_again(tmp_path: Path) -> None:
     store = LocalBlobStore(tmp_path / "blobs")
     first, second = keys(2)
     store.put(first, b"x")
-    shutil.rmtree(tmp_path / "blobs" / "samples")  # e.g. a retention job emptied it
+    store.put_many([(second, b"y")])
+    shutil.rmtree(tmp_path / "blobs" / "samples")  # e.g. a retention job emptied them
+    shutil.rmtree(tmp_path / "blobs" / "packs")
     store.put(second, b"y")
-    store.put_many([(first, b"z"), (second, b"w")])
-    assert (store.get(first), store.get(second)) == (b"z", b"w")
+    packed = store.put_many([(first, b"z"), (second, b"w")])
+    assert (store.get(second), [store.get(key) for key in packed]) == (b"y", [b"z", b"w"])
 
 
-def test_a_write_that_cannot_happen_is_a_store_error(tmp_path: Path) -> None:
+def test_a_write_that_cannot_happen_is_a_store_error_and_leaves_nothing(tmp_path: Path) -> None:
     store = LocalBlobStore(tmp_path / "blobs")
     key = keys(1)[0]
     blocked = tmp_path / "blobs" / "samples"
     blocked.write_bytes(b"a file where the folder should be")
     with pytest.raises(StoreError, match="cannot write blob"):
         store.put(key, b"x")
-    assert not [p for p in (tmp_path / "blobs").rglob("*.tmp")]
-    assert os.path.isfile(blocked)
+    (tmp_path / "blobs" / "packs").write_bytes(b"a file where the packs should be")
+    with pytest.raises(StoreError, match="cannot write blob pack"):
+        store.put_many([(key, b"x")])
+    assert files(tmp_path / "blobs") == [tmp_path / "blobs" / "packs", blocked]
+
+
+def test_a_pack_cut_short_while_written_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalBlobStore(tmp_path / "blobs")
+    calls = []
+
+    def full_disk(fd: int, buffers: list[memoryview]) -> int:
+        calls.append(len(buffers))
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        return os.write(fd, buffers[0][:7])  # a short write, then the disk fills
+
+    monkeypatch.setattr(blobs_module.os, "writev", full_disk)
+    pending = store.batch([(key, b"0123456789") for key in keys(2)])
+    with pytest.raises(StoreError, match="No space left"):
+        pending.write()
+    assert not [p for p in files(tmp_path / "blobs") if p.suffix == ".pack"]
+    with pytest.raises(StoreError) as missing:
+        store.get(pending.keys[0])
+    assert missing.value.reason == "not_found"
+
+
+def test_keys_under_packs_are_the_stores_own_and_forged_ones_read_nothing(tmp_path: Path) -> None:
+    store = LocalBlobStore(tmp_path / "blobs", fsync=False)
+    (real,) = store.put_many([(keys(1)[0], b"0123456789")])
+    pack = real.rsplit("/", 1)[0]
+    for forged in (real, f"{pack}/0-4.jpg", "packs/x.jpg"):
+        with pytest.raises(StoreError, match="packs/"):
+            store.put(forged, b"x")
+        with pytest.raises(StoreError, match="packs/"):
+            store.batch([(forged, b"x")])
+    assert store.get(f"{pack}/2-3.jpg") == b"234"  # any range of a pack is its bytes
+    with pytest.raises(StoreError, match="cut short"):
+        store.get(f"{pack}/8-99999999999.jpg")
+    assert not store.exists(f"{pack}/8-3.jpg")
+    with pytest.raises(StoreError) as missing:
+        store.get(real.replace(".pack/", "0.pack/"))
+    assert missing.value.reason == "not_found"
+    for escape in ("packs/../../etc/passwd.pack/0-4", "packs/a/../b.pack/0-1.jpg"):
+        with pytest.raises(StoreError):
+            store.get(escape)
+
+
+def test_a_packed_blob_is_deleted_alone_and_the_pack_goes_with_its_last(tmp_path: Path) -> None:
+    store = LocalBlobStore(tmp_path / "blobs", fsync=False)
+    data = [bytes([i]) * 9000 for i in range(3)]
+    stored = store.put_many([(key, d) for key, d in zip(keys(3), data, strict=True)])
+    store.delete(stored[1])
+    store.delete(stored[1])  # deleting twice is fine, as with a file
+    assert not store.exists(stored[1])
+    with pytest.raises(StoreError) as missing:
+        store.get(stored[1])
+    assert missing.value.reason == "not_found"
+    assert [store.get(stored[0]), store.get(stored[2])] == [data[0], data[2]]
+    store.delete(stored[0])
+    store.delete(stored[2])
+    assert files(tmp_path / "blobs") == []
+    store.delete(stored[0])  # its pack is gone: nothing to do

@@ -151,7 +151,7 @@ def test_put_many_stores_the_whole_batch_and_a_second_client_reads_it_at_once(
     items = [
         (f"samples/fleet-a/cam-1/0190a1b2/{i:04d}.jpg", f"image {i}".encode()) for i in range(60)
     ]
-    writer.put_many(items)
+    assert writer.put_many(items) == [key for key, _ in items]  # one object per key
     # Durable on return: another process's client sees every object immediately.
     reader = make_store(bucket, "p")
     for key, data in items:

@@ -28,7 +28,8 @@ def _row(agent: str, sample_id: str, fleet: str = "fleet-a") -> dict[str, Any]:
     image = image_bytes()
     header = make_header(image, fleet=fleet, agent=agent, sample_id=sample_id)
     pixels = np.zeros((32, 32, 3), np.uint8)
-    return sample_row(IngestSample(header, image, pixels), datetime.now(UTC))
+    sample = IngestSample(header, image, pixels)
+    return sample_row(sample, datetime.now(UTC), sample.image_key)
 
 
 def test_store_samples_keeps_each_agents_sample_once(database_url: str) -> None:

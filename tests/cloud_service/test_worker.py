@@ -77,9 +77,12 @@ def test_samples_are_stored_receipted_and_verified(
     with running_worker(make_settings, broker, topics, database_url) as worker:
         pub = publisher(broker.url, broker.protocol)
         sent = []
+        images = {}
         for i in range(40):
-            header, envelope = make_envelope(fleet=fleet, agent=agent, priority=i % 10)
+            image = image_bytes(seed=i)
+            header, envelope = make_envelope(fleet=fleet, agent=agent, priority=i % 10, image=image)
             sent.append(header.sample_id)
+            images[header.sample_id] = image
             pub.publish(topics.samples(fleet, agent), envelope, qos=1)
         # The same sample twice more: stored once, receipted each time.
         header, envelope = make_envelope(fleet=fleet, agent=agent, sample_id=sent[0])
@@ -104,6 +107,12 @@ def test_samples_are_stored_receipted_and_verified(
             assert session.scalar(select(func.count()).select_from(Verdict)) == 40
             statuses = set(session.scalars(select(Sample.status)).all())
             assert statuses <= {"verified", "flagged"}
+            rows = session.execute(select(Sample.sample_id, Sample.image_key))
+            keys = {sample_id: key for sample_id, key in rows}
+        # Each row reads back its own image; a batch's images share one pack file.
+        assert {sid: worker.blobs.get(key) for sid, key in keys.items()} == images
+        packs = {key.rsplit("/", 1)[0] for key in keys.values()}
+        assert all(pack.endswith(".pack") for pack in packs) and len(packs) < len(keys)
         pub.loop_stop()
         pub.disconnect()
     verdicts = [v for t, p in collector.messages if "verdicts" in t for v in decode_verdicts(p)]
