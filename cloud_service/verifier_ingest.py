@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 import queue
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -28,7 +29,7 @@ from datetime import UTC, datetime
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from cloud_service.blobs import BlobStore
+from cloud_service.blobs import BlobBatch, BlobStore
 from cloud_service.db import crud
 from cloud_service.ingest import (
     Classified,
@@ -157,8 +158,9 @@ class IngestStage:
                     messages, pending = messages + more[0], pending + more[1]
             try:
                 outcomes = [outcome for future in pending for outcome in future.result()]
+                images = self._images(outcomes)  # one pack however often the store retries
                 with_retries(
-                    functools.partial(self.store, messages, outcomes),
+                    functools.partial(self.store, messages, outcomes, images),
                     stopping=self.workers.stopping,
                     on_failure=self.metrics.store_errors.inc,
                 )
@@ -195,8 +197,27 @@ class IngestStage:
 
     # --- one batch ---------------------------------------------------------------
 
-    def store(self, messages: list[Inbound], outcomes: list[Classified]) -> None:
-        """Make one classified batch durable, then ack, receipt and queue it for the teacher."""
+    def _images(self, outcomes: list[Classified]) -> BlobBatch:
+        """The blob batch of the samples among ``outcomes``, in order; written at most
+        once, so retries of a store (a database outage) do not write its images again."""
+        images = [(o.image_key, o.image) for o in outcomes if isinstance(o, IngestSample)]
+        batch = self.blobs.batch(images)
+        written = threading.Event()
+
+        def write_once() -> None:
+            if not written.is_set():
+                batch.write()
+                written.set()
+
+        return BlobBatch(batch.keys, write_once)
+
+    def store(
+        self, messages: list[Inbound], outcomes: list[Classified], images: BlobBatch | None = None
+    ) -> None:
+        """Make one classified batch durable, then ack, receipt and queue it for the teacher.
+
+        ``images``: ``_images(outcomes)``, when the caller retries the store.
+        """
         now = datetime.now(UTC)
         samples: list[IngestSample] = []
         dead: list[DeadLetterRow] = []
@@ -212,7 +233,7 @@ class IngestStage:
         # images are durable: a row never points at an image that is not there. A crash
         # in between, or a redelivered sample's second copy, leaves bytes in a pack that
         # no row points at (the local store packs a batch's images into one file).
-        images = self.blobs.batch([(sample.image_key, sample.image) for sample in samples])
+        images = images or self._images(outcomes)
         written = self._blob_writer.submit(images.write) if samples else None
         try:
             with self.sessions.begin() as session:

@@ -68,9 +68,9 @@ def _instrument(worker: VerifierWorker, held: _Held, gate: threading.Event) -> N
     worker.transport.inbox = Tracking()
     store = worker.ingest.store
 
-    def stalled_store(messages: list[Any], outcomes: list[Any]) -> None:
+    def stalled_store(messages: list[Any], outcomes: list[Any], images: Any = None) -> None:
         assert gate.wait(120), "the test never released the store"
-        store(messages, outcomes)
+        store(messages, outcomes, images)
         held.remove(len(messages), sum(len(m.payload) for m in messages))
 
     worker.ingest.store = stalled_store  # type: ignore[method-assign]

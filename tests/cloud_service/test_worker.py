@@ -355,3 +355,41 @@ def test_an_unreachable_broker_fails_the_start_and_leaves_no_thread(
     assert health["mqtt"]["alive"] is False  # type: ignore[index]
     assert not any(health["threads"].values())  # type: ignore[attr-defined]
     worker.stop()  # stopped already: nothing to do
+
+
+def test_a_store_retried_through_a_database_outage_writes_its_images_once(
+    make_settings: Callable[..., CloudSettings],
+    broker: Any,
+    topics: Topics,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    from cloud_service.db import crud
+
+    store_samples = crud.store_samples
+    failures = []
+
+    def down_twice(**kwargs: Any) -> Any:
+        if len(failures) < 2:
+            failures.append(1)
+            raise OperationalError("INSERT", {}, Exception("the database is down"))
+        return store_samples(**kwargs)
+
+    monkeypatch.setattr(crud, "store_samples", down_twice)
+    fleet, agent = "fleet-a", "cam-1"
+    with running_worker(make_settings, broker, topics, database_url) as worker:
+        pub = publisher(broker.url, broker.protocol)
+        for i in range(10):
+            _, envelope = make_envelope(fleet=fleet, agent=agent, image=image_bytes(seed=i))
+            pub.publish(topics.samples(fleet, agent), envelope, qos=1)
+        assert _wait(lambda: worker.counts["stored"] >= 10)
+        pub.loop_stop()
+        pub.disconnect()
+        with worker.sessions() as session:
+            keys = session.scalars(select(Sample.image_key)).all()
+        on_disk = {str(p.relative_to(worker.blobs.root)) for p in worker.blobs.root.rglob("*.pack")}  # type: ignore[attr-defined]
+    assert len(failures) == 2 and len(keys) == 10
+    # Every pack on disk is one a row points at: the retries wrote no second copy.
+    assert on_disk == {key.rsplit("/", 1)[0] for key in keys}
