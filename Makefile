@@ -66,6 +66,9 @@ test: install-dev system-deps
 
 bench: install-dev
 	$(PY) -m bench.run $(BENCH_ARGS)
+	$(VENV)/bin/$(shell $(PY) -c "from bench.report import PROJECTION_COMMAND as c; print(c)") \
+		> bench/results/simulations/projection.json.tmp
+	mv bench/results/simulations/projection.json.tmp bench/results/simulations/projection.json
 
 # docs/performance.md is rendered from bench/results/, never typed (a test checks it).
 docs: install

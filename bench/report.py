@@ -4,7 +4,7 @@
     python -m bench.report --check    # exit 1 when docs/performance.md is not what the results give
 
 The document is rendered from ``bench/results/latest.json`` (what ``make bench`` last
-wrote), the closed-loop and fleet runs under ``bench/results/simulations/``, and the
+wrote), the closed-loop, fleet and projection runs under ``bench/results/simulations/``, and the
 docstrings of the modules that measured them (their method). Nothing in it is typed
 by hand, so it cannot disagree with the results; ``tests/bench`` checks that the
 committed file is exactly what this module renders.
@@ -29,6 +29,13 @@ RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "performance.md"
 _CLOSED_LOOP = "closed-loop.json"
 _FLEET_GLOB = "fleet*.json"
+PROJECTION = "projection.json"
+# How `make bench` writes it: a 16-core verifier host running the teacher on its CPU,
+# the forwarded share of the committed cost run, 224 px frames' envelopes.
+PROJECTION_COMMAND = (
+    "edgeloop sim project --host-cores 16 --frame-px 224"
+    " --cost-json bench/results/simulations/cost.json --json"
+)
 
 # The instruction-set flags that bench.models records, as a reader knows them.
 _CPU_FLAGS = {
@@ -80,6 +87,9 @@ def load_inputs(results: Path = RESULTS) -> Inputs:
         "bench": bench,
         "closed_loop": _read_json(closed) if closed.exists() else None,
         "fleet": {p.name: _read_json(p) for p in sorted(simulations.glob(_FLEET_GLOB))},
+        "projection": _read_json(projection)
+        if (projection := simulations / PROJECTION).exists()
+        else None,
     }
 
 
@@ -220,6 +230,45 @@ def _fleet(name: str, run: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+_PROJECTED = (
+    ("verifier hosts", "verifier_hosts", "{:,}"),
+    ("samples/s forwarded", "samples_per_s", "{:,.0f}"),
+    ("broker messages/s (in + out)", "broker_messages_per_s", "{:,.0f}"),
+    ("broker traffic, Mbit/s", "broker_mbit_per_s", "{:,.1f}"),
+    ("DB GB/day", "db_bytes_per_day", "{:,.1f}"),
+    ("blob GB/day", "blob_bytes_per_day", "{:,.1f}"),
+)
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _projection(run: dict[str, Any]) -> list[str]:
+    """Goal 5: the fleet projection `make bench` writes from this run's figures."""
+    rows = run.get("projection", [])
+    lines = [
+        "## Fleet projection",
+        "",
+        f"`{PROJECTION_COMMAND}` (`bench/results/simulations/{PROJECTION}`, written by"
+        " `make bench` after its run): what a fleet of cameras needs, from the figures"
+        " above. " + _sentence(str(run.get("verifier_note", ""))),
+        "",
+        "| | " + " | ".join(f"{r['cameras']:,} cameras" for r in rows) + " |",
+        "|---|" + "---:|" * len(rows),
+    ]
+    for label, key, shown in _PROJECTED:
+        gb = key.endswith("bytes_per_day")
+        values = [shown.format(r[key] / 1e9 if gb else r[key]) if key in r else "-" for r in rows]
+        lines.append(f"| {label} | " + " | ".join(values) + " |")
+    lines += ["", "| input | value | from |", "|---|---|---|"]
+    sources = run.get("sources", {})
+    for name, value in run.get("inputs", {}).items():
+        shown = f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+        lines.append(f"| {name} | {shown} | {sources.get(name, '-')} |")
+    return [*lines, ""]
+
+
 def render_performance(inputs: Inputs) -> str:
     """docs/performance.md as the results give it."""
     bench = inputs["bench"]
@@ -258,6 +307,8 @@ def render_performance(inputs: Inputs) -> str:
         lines += ["## Fleet load", "", title, ""]
         for name, run in sorted(fleet.items(), key=_smallest_fleet):
             lines += _fleet(name, run)
+    if inputs.get("projection"):
+        lines += _projection(inputs["projection"])
     return "\n".join(lines).rstrip() + "\n"
 
 

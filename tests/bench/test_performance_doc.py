@@ -74,3 +74,27 @@ def test_results_without_a_run_are_refused(
     with pytest.raises(SystemExit):
         main(["--results", str(tmp_path), "--check"])
     assert "has no 'started_at'" in capsys.readouterr().err
+
+
+def test_the_fleet_projection_is_rendered_with_its_inputs_and_sources(tmp_path: Path) -> None:
+    results = _results(tmp_path, _minimal_report(quick=False))
+    (results / "simulations").mkdir()
+    projection = {
+        "projection": [
+            {"cameras": 10_000, "verifier_hosts": 2, "blob_bytes_per_day": 5.5e12},
+            {"cameras": 100_000, "verifier_hosts": 17, "blob_bytes_per_day": 5.5e13},
+        ],
+        "inputs": {"verifier_per_s": 12678.3, "forwarded_share": 0.0288},
+        "sources": {"verifier_per_s": "16 cores / (0.5 ms verifier + ...) per sample"},
+        "verifier_note": "verifier hosts from 12,678 samples/s per host",
+    }
+    (results / "simulations" / "projection.json").write_text(json.dumps(projection))
+    text = render_performance(load_inputs(results))
+    assert "## Fleet projection" in text
+    assert "what a fleet of cameras needs, from the figures above. Verifier hosts from" in text
+    assert "| | 10,000 cameras | 100,000 cameras |" in text
+    assert "| verifier hosts | 2 | 17 |" in text
+    assert "| blob GB/day | 5,500.0 | 55,000.0 |" in text
+    assert "| samples/s forwarded | - | - |" in text  # a figure the run lacks
+    assert "| verifier_per_s | 12,678 | 16 cores / (0.5 ms verifier + ...) per sample |" in text
+    assert "| forwarded_share | 0.0288 | - |" in text
