@@ -34,6 +34,7 @@ from fastapi import FastAPI
 from cloud_service.api.app import create_app
 from cloud_service.db.session import upgrade_database
 from cloud_service.settings import CloudSettings
+from cloud_service.verifier_ingest import auto_decode_threads
 from cloud_service.worker import VerifierWorker
 from shared.console import configure_logging
 from shared.errors import ConfigError
@@ -180,7 +181,8 @@ def worker_settings(settings: CloudSettings, index: int, workers: int) -> CloudS
     Worker 0 keeps the configured MQTT client id (so going from one verifier to
     several keeps its broker session); worker i adds ``-w{i}``. When ONNX Runtime
     picks its own thread count (``ort_intra_op_threads = 0``), the cores are split
-    between the workers instead of each taking them all.
+    between the workers instead of each taking them all; so are the decode threads
+    (``verifier_decode_threads = 0``).
     """
     if workers == 1:
         return settings
@@ -190,8 +192,11 @@ def worker_settings(settings: CloudSettings, index: int, workers: int) -> CloudS
             settings.verifier_client_id if index == 0 else f"{settings.verifier_client_id}-w{index}"
         ),
     }
+    cores = max(1, (os.cpu_count() or 1) // workers)
     if settings.ort_intra_op_threads == 0:
-        update["ort_intra_op_threads"] = max(1, (os.cpu_count() or 1) // workers)
+        update["ort_intra_op_threads"] = cores
+    if settings.verifier_decode_threads == 0:
+        update["verifier_decode_threads"] = auto_decode_threads(cores)
     return settings.model_copy(update=update)
 
 

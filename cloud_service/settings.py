@@ -187,6 +187,15 @@ class CloudSettings(EdgeLoopSettings):
         default=True,
         description="on CUDA, run the teacher's preprocessing and scoring as Triton kernels",
     )
+    verifier_decode_threads: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description=(
+            "threads decoding sample images in each verifier process; 0: one per core of"
+            " the process's share of the host (the cores split between --workers), at most 4"
+        ),
+    )
     verifier_switch_interval_ms: float = Field(
         default=0.5,
         ge=0.0,

@@ -36,9 +36,19 @@ def test_worker_zero_keeps_the_client_id_and_the_others_get_their_own(
     cores = os.cpu_count() or 1
     assert worker_settings(settings, 1, 2).ort_intra_op_threads == max(1, cores // 2)
     assert worker_settings(settings, 1, 2).verifier_workers == 1
-    pinned = make_settings(ort_intra_op_threads=3)
+    pinned = make_settings(ort_intra_op_threads=3, verifier_decode_threads=5)
     assert worker_settings(pinned, 1, 2).ort_intra_op_threads == 3
     assert worker_settings(settings, 0, 1) is settings
+    # Decode threads: one per core of each worker's share, at most 4; a set one stays.
+    share = max(1, cores // 2)
+    assert worker_settings(settings, 1, 2).verifier_decode_threads == min(4, share)
+    assert worker_settings(pinned, 1, 2).verifier_decode_threads == 5
+
+
+def test_decode_threads_are_one_per_core_up_to_four() -> None:
+    from cloud_service.verifier_ingest import auto_decode_threads
+
+    assert [auto_decode_threads(n) for n in (1, 2, 3, 4, 8, 64)] == [1, 2, 3, 4, 4, 4]
 
 
 def test_several_workers_refuse_sqlite(make_settings: Callable[..., CloudSettings]) -> None:
