@@ -365,8 +365,8 @@ class MqttConnection:
 
     def _pass(self, client: mqtt.Client, sock: BufferedSocket) -> mqtt.MQTTErrorCode:
         """One pass of the io loop: wait for the socket or a wake-up (not while read bytes
-        are pending), hand over what is queued (written when ``held`` ends: a publish
-        costs the pass of its wake-up and of its PUBACK), write, read, keep alive."""
+        are pending), hand over what is queued (written when ``held`` ends: a publish costs
+        the pass of its wake-up and of its PUBACK), write, read all a read brought, ping."""
         connected = self._connected.is_set()
         if connected and (self._outbox or self._acks):  # queued while a PUBACK was due
             self._write_queued(client)
@@ -389,8 +389,8 @@ class MqttConnection:
         if sock in writable:  # before reading: a handler may wait (the verifier's inbox)
             sock.flush()
             rc = client.loop_write()
-        if rc == mqtt.MQTT_ERR_SUCCESS and sock in readable:
-            rc = client.loop_read()
+        while rc == mqtt.MQTT_ERR_SUCCESS and (sock in readable or sock.pending()):
+            rc, readable = client.loop_read(), []
         if rc == mqtt.MQTT_ERR_SUCCESS:
             rc = client.loop_misc()
         return rc

@@ -177,6 +177,58 @@ def test_a_publish_costs_the_wait_that_wakes_for_it_and_the_one_for_its_puback(
     assert waits <= 2 * count + 10
 
 
+def test_the_packets_one_read_brings_are_handled_in_the_pass_that_read_them(
+    mosquitto_target: MqttTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst that arrived while a handler ran is handled in a pass or two, not a pass
+    of the io loop per packet (each pass: keepalive checks, the queue, the wake-up)."""
+    import shared.mqtt_connection as module
+
+    topic = f"edgeloop-test/{uuid.uuid4().hex[:8]}/verdicts"
+    count = 30
+    got: queue.Queue[bytes] = queue.Queue()
+    entered, gate = threading.Event(), threading.Event()
+
+    def handler(message: Received) -> None:
+        entered.set()
+        assert gate.wait(SAFETY_NET_S), "the test never released the handler"
+        got.put(message.payload)
+
+    passes = 0
+    real_pass = module.MqttConnection._pass
+
+    def counted(self: Any, client: Any, sock: Any) -> Any:
+        nonlocal passes
+        if gate.is_set() and threading.current_thread().name == "test-sub-io":
+            passes += 1
+        return real_pass(self, client, sock)
+
+    monkeypatch.setattr(module.MqttConnection, "_pass", counted)
+    subscriber = MqttConnection(
+        mosquitto_target,
+        client_id=_name("sub"),
+        subscriptions=[Subscription(topic, handler, qos=0)],
+        persistent=False,
+        name="test-sub",
+    )
+    subscriber.start().wait_ready(SAFETY_NET_S)
+    publisher = _publisher(mosquitto_target)
+    try:
+        assert publisher.deliver(topic, b"first", qos=1).wait(SAFETY_NET_S)
+        assert entered.wait(SAFETY_NET_S)  # the io thread is in the handler
+        for i in range(count):  # each PUBACK: the broker routed it to the subscriber
+            assert publisher.deliver(topic, b"%d" % i, qos=1).wait(SAFETY_NET_S)
+        gate.set()
+        received = [got.get(timeout=SAFETY_NET_S) for _ in range(count + 1)]
+    finally:
+        gate.set()
+        publisher.stop()
+        subscriber.stop()
+    assert received == [b"first"] + [b"%d" % i for i in range(count)]
+    # A pass per packet before: 30 or more. A burst split over two reads takes two.
+    assert passes <= 10
+
+
 def test_a_shared_subscription_on_v5(mosquitto_target: MqttTarget, broker: Any) -> None:
     if broker.protocol != "5":
         pytest.skip("shared subscriptions need MQTT v5")
