@@ -29,7 +29,7 @@ from cloud_service.verifier import decode_image
 from shared.decode_pool import DecodePool
 from shared.envelope import EnvelopeLimits, decode_envelope
 from shared.errors import ContractError, EdgeLoopError, StoreError
-from shared.images import decode_cost, probe_image
+from shared.images import decode_cost
 from shared.messages import AgentStatus, ModelStatus, SampleHeader, decode_message
 from shared.tasks import Answer, Task
 from shared.topics import TopicRef, Topics
@@ -168,7 +168,7 @@ def classify(
             envelope = decode_envelope(payload, limits)
             header = envelope.header
             _check_source(ref, header.fleet, header.agent)
-            info = probe_image(envelope.image)
+            info = envelope.info
             # One walk of the markers: a scan bomb is dead-lettered here, never decoded.
             cost = decode_cost(envelope.image, info)
             # Past its budget in the pool: dead-lettered as image_decode_timeout.

@@ -71,6 +71,7 @@ class Envelope:
 
     header: SampleHeader
     image: bytes
+    info: ImageInfo  # the image's format and size, as probed from its bytes
 
 
 _DEFAULT_LIMITS = EnvelopeLimits()
@@ -169,8 +170,9 @@ def decode_envelope(
             f"header says {header.image_bytes} image bytes but the envelope carries {image_len}"
         )
     image = bytes(view[image_start:])
-    _check_image(header, probe_image(image), limits)
-    return Envelope(header=header, image=image)
+    info = probe_image(image)
+    _check_image(header, info, limits)
+    return Envelope(header=header, image=image, info=info)
 
 
 def peek_sample_id(data: bytes | bytearray | memoryview) -> str:

@@ -40,6 +40,7 @@ from shared.errors import (
     UnsupportedVersionError,
 )
 from shared.ids import new_sample_id
+from shared.images import probe_image
 from shared.messages import SampleHeader, encode_message
 
 HeaderFactory = Callable[..., SampleHeader]
@@ -136,7 +137,7 @@ def test_round_trip_real_images(
     image = small_images[name]
     header = make_header(image)
     envelope = decode_envelope(encode_envelope(header, image))
-    assert envelope == Envelope(header=header, image=image)
+    assert envelope == Envelope(header=header, image=image, info=probe_image(image))
     assert decode_envelope(bytearray(encode_envelope(header, image))) == envelope
     assert decode_envelope(memoryview(encode_envelope(header, image))) == envelope
 
