@@ -232,7 +232,7 @@ class LocalBlobStore:
             with open(path + ".deleted", "a", encoding="ascii") as f:
                 f.write(f"{offset}-{length}\n")
             deleted.add((offset, length))
-        if sum(n for _, n in deleted) >= size:
+        if _covered(deleted) >= size:
             os.unlink(path)
             os.unlink(path + ".deleted")
 
@@ -250,6 +250,17 @@ class LocalBlobStore:
             start, _, length = line.partition("-")
             ranges.add((int(start), int(length)))
         return ranges
+
+
+def _covered(ranges: set[tuple[int, int]]) -> int:
+    """Bytes that the (offset, length) ``ranges`` cover together, overlaps counted once."""
+    covered, end = 0, 0
+    for start, length in sorted(ranges):
+        stop = start + length
+        if stop > end:
+            covered += stop - max(start, end)
+            end = stop
+    return covered
 
 
 def _not_packed(key: str) -> str:

@@ -138,3 +138,14 @@ def test_a_packed_blob_is_deleted_alone_and_the_pack_goes_with_its_last(tmp_path
     store.delete(stored[2])
     assert files(tmp_path / "blobs") == []
     store.delete(stored[0])  # its pack is gone: nothing to do
+
+
+def test_a_pack_stays_while_any_of_its_bytes_is_not_deleted(tmp_path: Path) -> None:
+    store = LocalBlobStore(tmp_path / "blobs", fsync=False)
+    first, second = store.put_many([(key, b"0123456789") for key in keys(2)])
+    pack = first.rsplit("/", 1)[0]
+    for overlapping in (f"{pack}/0-6.jpg", f"{pack}/4-6.jpg", f"{pack}/2-8.jpg"):
+        store.delete(overlapping)  # 16 of the pack's 20 bytes, 10 of them counted twice
+    assert store.get(second) == b"0123456789"
+    store.delete(second)
+    assert files(tmp_path / "blobs") == []
