@@ -4,9 +4,9 @@
     python -m bench.report --check    # exit 1 when docs/performance.md is not what the results give
 
 The document is rendered from ``bench/results/latest.json`` (what ``make bench`` last
-wrote), the closed-loop, fleet and projection runs under ``bench/results/simulations/``, and the
-docstrings of the modules that measured them (their method). Nothing in it is typed
-by hand, so it cannot disagree with the results; ``tests/bench`` checks that the
+wrote), the closed-loop, fleet and projection runs under ``bench/results/simulations/``,
+and the docstrings of the modules that measured them (their method). Nothing in it is
+typed by hand, so it cannot disagree with the results; ``tests/bench`` checks that the
 committed file is exactly what this module renders.
 """
 

@@ -169,9 +169,8 @@ class IngestStage:
                     messages, pending = messages + more[0], pending + more[1]
             try:
                 outcomes = [outcome for future in pending for outcome in future.result()]
-                images = self._images(outcomes)  # one pack however often the store retries
                 with_retries(
-                    functools.partial(self.store, messages, outcomes, images),
+                    functools.partial(self._store_attempt, messages, outcomes, []),
                     stopping=self.workers.stopping,
                     on_failure=self.metrics.store_errors.inc,
                 )
@@ -207,6 +206,15 @@ class IngestStage:
         return [self._decoders.submit(run, items[i : i + size]) for i in range(0, len(items), size)]
 
     # --- one batch ---------------------------------------------------------------
+
+    def _store_attempt(
+        self, messages: list[Inbound], outcomes: list[Classified], images: list[BlobBatch]
+    ) -> None:
+        """One attempt to ``store`` a batch; ``images`` keeps its blob batch once made,
+        so every attempt writes the same pack (at most once)."""
+        if not images:
+            images.append(self._images(outcomes))
+        self.store(messages, outcomes, images[0])
 
     def _images(self, outcomes: list[Classified]) -> BlobBatch:
         """The blob batch of the samples among ``outcomes``, in order; written at most
