@@ -21,6 +21,7 @@ from typing import Any
 
 from bench.run import goals_table
 from simulations.loop_table import table_header, table_rows
+from simulations.projection import PROJECTED, projected_cells
 
 __all__ = ["DOC", "RESULTS", "Inputs", "load_inputs", "main", "render_performance"]
 
@@ -230,16 +231,6 @@ def _fleet(name: str, run: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-_PROJECTED = (
-    ("verifier hosts", "verifier_hosts", "{:,}"),
-    ("samples/s forwarded", "samples_per_s", "{:,.0f}"),
-    ("broker messages/s (in + out)", "broker_messages_per_s", "{:,.0f}"),
-    ("broker traffic, Mbit/s", "broker_mbit_per_s", "{:,.1f}"),
-    ("DB GB/day", "db_bytes_per_day", "{:,.1f}"),
-    ("blob GB/day", "blob_bytes_per_day", "{:,.1f}"),
-)
-
-
 def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
 
@@ -257,10 +248,8 @@ def _projection(run: dict[str, Any]) -> list[str]:
         "| | " + " | ".join(f"{r['cameras']:,} cameras" for r in rows) + " |",
         "|---|" + "---:|" * len(rows),
     ]
-    for label, key, shown in _PROJECTED:
-        gb = key.endswith("bytes_per_day")
-        values = [shown.format(r[key] / 1e9 if gb else r[key]) if key in r else "-" for r in rows]
-        lines.append(f"| {label} | " + " | ".join(values) + " |")
+    for label, key, fmt in PROJECTED:
+        lines.append(f"| {label} | " + " | ".join(projected_cells(rows, key, fmt)) + " |")
     lines += ["", "| input | value | from |", "|---|---|---|"]
     sources = run.get("sources", {})
     for name, value in run.get("inputs", {}).items():

@@ -42,12 +42,14 @@ from rich.console import Console
 from rich.table import Table
 
 __all__ = [
+    "PROJECTED",
     "HostShape",
     "ProjectionInputs",
     "host_capacity",
     "measure_row_bytes",
     "project",
     "project_many",
+    "projected_cells",
 ]
 
 SECONDS_PER_DAY = 86_400
@@ -328,6 +330,30 @@ def build_inputs(
     return inputs, sources
 
 
+# What a projection gives per fleet size: label, key, format ("gb": bytes as GB).
+PROJECTED = (
+    ("frames/s at the cameras", "frames_per_s", "{:,.0f}"),
+    ("samples/s forwarded", "samples_per_s", "{:,.0f}"),
+    ("broker publishes in /s", "broker_publishes_in_per_s", "{:,.0f}"),
+    ("broker deliveries out /s", "broker_deliveries_out_per_s", "{:,.0f}"),
+    ("broker messages /s (in + out)", "broker_messages_per_s", "{:,.0f}"),
+    ("broker connections", "broker_connections", "{:,}"),
+    ("broker traffic, Mbit/s", "broker_mbit_per_s", "{:,.1f}"),
+    ("verifier hosts", "verifier_hosts", "{:,}"),
+    ("DB rows/day", "db_rows_per_day", "{:,.0f}"),
+    ("DB GB/day", "db_bytes_per_day", "gb"),
+    ("blob GB/day", "blob_bytes_per_day", "gb"),
+)
+
+
+def projected_cells(rows: list[dict[str, Any]], key: str, fmt: str) -> list[str]:
+    """One ``PROJECTED`` line's cells, a fleet size each ("-" where a row lacks it)."""
+    return [
+        "-" if key not in r else f"{r[key] / 1e9:,.1f}" if fmt == "gb" else fmt.format(r[key])
+        for r in rows
+    ]
+
+
 def print_projection(report: dict[str, Any], console: Console) -> None:
     """One column per fleet size; then the inputs and their sources."""
     rows = report["projection"]
@@ -335,22 +361,8 @@ def print_projection(report: dict[str, Any], console: Console) -> None:
     table.add_column("")
     for r in rows:
         table.add_column(f"{r['cameras']:,} cameras", justify="right")
-    lines = [
-        ("frames/s at the cameras", "frames_per_s", "{:,.0f}"),
-        ("samples/s forwarded", "samples_per_s", "{:,.0f}"),
-        ("broker publishes in /s", "broker_publishes_in_per_s", "{:,.0f}"),
-        ("broker deliveries out /s", "broker_deliveries_out_per_s", "{:,.0f}"),
-        ("broker messages /s (in + out)", "broker_messages_per_s", "{:,.0f}"),
-        ("broker connections", "broker_connections", "{:,}"),
-        ("broker traffic, Mbit/s", "broker_mbit_per_s", "{:,.1f}"),
-        ("verifier hosts", "verifier_hosts", "{:,}"),
-        ("DB rows/day", "db_rows_per_day", "{:,.0f}"),
-        ("DB GB/day", "db_bytes_per_day", "gb"),
-        ("blob GB/day", "blob_bytes_per_day", "gb"),
-    ]
-    for label, key, fmt in lines:
-        cells = [f"{r[key] / 1e9:,.1f}" if fmt == "gb" else fmt.format(r[key]) for r in rows]
-        table.add_row(label, *cells)
+    for label, key, fmt in PROJECTED:
+        table.add_row(label, *projected_cells(rows, key, fmt))
     console.print(table)
     console.print("[bold]inputs[/]")
     inputs = report["inputs"]
