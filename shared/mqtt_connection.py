@@ -1,27 +1,25 @@
 """One MQTT connection for every EdgeLoop process: connect, reconnect, subscribe, publish, stop.
 
 :class:`MqttConnection` is how the agent's uplink, the verifier's transport and the
-model announcer talk to the broker. One thread, ``{name}-io`` (a
-``shared.lifecycle.Workers`` worker), owns the paho client and is the only thread
-that calls into it. It connects (``shared.mqtt.make_client``: TLS, TCP_NODELAY),
-waits out ``shared.mqtt.Backoff`` between attempts, subscribes every
-``Subscription`` again on each connection and hands each message to its
-subscription's handler. Other threads hand over publishes and manual acks, which
-only enqueue and wake it. With ``protocol=None`` it asks for MQTT v5 on its own
-connection and falls back to 3.1.1 when the broker refuses v5 or drops the
-connection unanswered; it never probes with a second connection (a broker that names
-sessions after users would give the probe the caller's session, and its clean start
-would discard what was queued).
+model announcer talk to the broker. One thread, ``{name}-io`` (a ``Workers``
+worker), owns the paho client and alone calls into it. It connects (``make_client``:
+TLS, TCP_NODELAY), waits out ``Backoff`` between attempts, subscribes every
+``Subscription`` again on each connection and hands each message to its handler.
+Other threads hand over publishes and manual acks, which only enqueue and wake it.
+With ``protocol=None`` it asks for MQTT v5 on its own connection and falls back to
+3.1.1 when the broker refuses v5 or drops the connection unanswered; it never probes
+with a second connection (a broker that names sessions after users would give the
+probe the caller's session, and its clean start would discard what was queued).
 
 The io thread runs paho's external-loop API (``loop_read``, ``loop_write``,
-``loop_misc``) on its own ``select``. A publish on an idle connection wakes it
-through a socket pair and is written in that pass; while a publish awaits its
-PUBACK, later ones ride along with it (20 ms at most: the select's timeout then).
+``loop_misc``) on its own ``select``. A publish on an idle connection wakes it through
+a socket pair and is written in that pass; while a publish awaits its PUBACK, later
+ones ride along with it (20 ms at most: the select's timeout then).
 
 ``stop`` is idempotent and safe from any thread, during a reconnect too: it sets the
-stop event, wakes the io thread and joins it. On its way out the io thread writes
-what was handed over, then disconnects; nothing calls into paho after that. A PUBACK
-is not delivery (docs/architecture.md, "Delivery is end to end").
+stop event, wakes the io thread and joins it. On its way out the io thread writes what
+was handed over, then disconnects; nothing calls into paho after that. A PUBACK is
+not delivery (docs/architecture.md, "Delivery is end to end").
 """
 
 from __future__ import annotations
@@ -58,6 +56,7 @@ from shared.topics import topic_matches
 __all__ = ["MqttConnection"]
 
 log = logging.getLogger(__name__)
+_READS_PER_PASS = 64  # packets one pass reads at most: writes and pings wait no longer
 
 _UNSUPPORTED_VERSION = 0x84  # CONNACK: the broker does not speak the protocol version asked
 # A broker that does not speak v5 may neither answer nor close (amqtt waits for more bytes).
@@ -371,16 +370,14 @@ class MqttConnection:
         if connected and (self._outbox or self._acks):  # queued while a PUBACK was due
             self._write_queued(client)
         sock.flush()  # what the kernel does not take now waits for the socket to be writable
-        if sock.pending():  # read already: a chunk's next packets, decrypted TLS records
-            readable: list[Any] = [sock]
-            writable: list[Any] = []
-        else:
+        readable: list[Any] = [sock]  # when read already: a chunk's next packets, TLS records
+        writable: list[Any] = []
+        if not sock.pending():
             wanted: list[Any] = [sock] if client.want_write() or sock.unsent else []
             # Work wakes the select; the timeout paces keepalive pings (loop_misc)
             # and bounds the wait of a publish that counted on a PUBACK.
-            timeout = 0.02 if self._outbox else 1.0
             watched: list[Any] = [sock, self._wake.reader]
-            readable, writable, _ = select.select(watched, wanted, [], timeout)
+            readable, writable, _ = select.select(watched, wanted, [], 0.02 if self._outbox else 1)
         if self._wake.reader in readable:
             self._wake.clear()
             if connected:
@@ -389,8 +386,11 @@ class MqttConnection:
         if sock in writable:  # before reading: a handler may wait (the verifier's inbox)
             sock.flush()
             rc = client.loop_write()
-        while rc == mqtt.MQTT_ERR_SUCCESS and (sock in readable or sock.pending()):
-            rc, readable = client.loop_read(), []
+        if rc == mqtt.MQTT_ERR_SUCCESS and sock in readable:
+            for _ in range(_READS_PER_PASS):  # what the read brought, a bounded number
+                rc = client.loop_read()
+                if rc != mqtt.MQTT_ERR_SUCCESS or not sock.pending():
+                    break
         if rc == mqtt.MQTT_ERR_SUCCESS:
             rc = client.loop_misc()
         return rc
