@@ -339,3 +339,31 @@ def test_profile_counts_conv_macs() -> None:
     stem = p320["layers"][0]
     assert stem["macs"] == 80 * 80 * stem["output"][0] * 3 * 4 * 4
     assert p320["params"] == sum(p.numel() for p in net.parameters())
+
+
+def _rows(*rows: tuple[float, ...], k: int = 4) -> np.ndarray:
+    """One frame's [1, k, 6] detections, zero-padded."""
+    out = np.zeros((1, k, 6), np.float32)
+    out[0, : len(rows)] = rows
+    return out
+
+
+def test_detections_diff_leaves_out_only_rows_that_rounding_can_tip() -> None:
+    box = (0.1, 0.1, 0.3, 0.3, 0.9, 2.0)
+    assert detections_diff(_rows(box), _rows(box)) == 0.0
+    moved = (0.2, 0.2, 0.6, 0.6, 0.9, 2.0)  # a different box, same score and class
+    assert detections_diff(_rows(box), _rows(moved)) == pytest.approx(0.3)
+    # The 3x3 peak went to the neighbouring cell (its centre 0.05 away, one cell here),
+    # whose box differs: a tie on the score is rounding, not a different model.
+    neighbour = (0.15, 0.15, 0.35, 0.35, 0.9004, 2.0)
+    assert detections_diff(_rows(box), _rows(neighbour), cell=0.05) == 0.0
+    assert detections_diff(_rows(box), _rows(neighbour)) == pytest.approx(0.05, abs=1e-6)
+    far_box = (0.5, 0.5, 0.9, 0.9, 0.9004, 2.0)  # a tie, but nowhere near: still counted
+    assert detections_diff(_rows(box), _rows(far_box), cell=0.05) == pytest.approx(0.6)
+    # The top-K cut: a full output whose last row ties a row the other output kept.
+    full = [(0.1 * i, 0.0, 0.1 * i + 0.05, 0.05, 0.5, 1.0) for i in range(4)]
+    cut = [*full[:3], (0.7, 0.7, 0.8, 0.8, 0.5003, 3.0)]
+    assert detections_diff(_rows(*full), _rows(*cut)) < 1e-3
+    assert detections_diff(_rows(*full[:3], (0.7, 0.7, 0.8, 0.8, 0.7, 3.0)), _rows(*full)) == float(
+        "inf"
+    )
