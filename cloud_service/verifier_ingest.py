@@ -230,12 +230,10 @@ class IngestStage:
 
         return BlobBatch(batch.keys, write_once)
 
-    def store(
-        self, messages: list[Inbound], outcomes: list[Classified], images: BlobBatch | None = None
-    ) -> None:
+    def store(self, messages: list[Inbound], outcomes: list[Classified], images: BlobBatch) -> None:
         """Make one classified batch durable, then ack, receipt and queue it for the teacher.
 
-        ``images``: ``_images(outcomes)``, when the caller retries the store.
+        ``images``: ``_images(outcomes)``, the same for every attempt (``_store_attempt``).
         """
         now = datetime.now(UTC)
         samples: list[IngestSample] = []
@@ -252,7 +250,6 @@ class IngestStage:
         # images are durable: a row never points at an image that is not there. A crash
         # in between, or a redelivered sample's second copy, leaves bytes in a pack that
         # no row points at (the local store packs a batch's images into one file).
-        images = images or self._images(outcomes)
         written = self._blob_writer.submit(images.write) if samples else None
         try:
             with self.sessions.begin() as session:
