@@ -919,9 +919,15 @@ def _cloud_main(
 AGENT_THREADS = (
     ("camera-video", "camera reader (reads; decodes a stream not read as JPEGs)"),
     ("camera-video-prepare", "preparation (decodes a JPEG at the model's size; shrinks, RGB)"),
-    ("inference-loop", "inference loop (batches, ORT)"),
+    (
+        "inference-loop",
+        "inference loop (batches, ORT; with several, routing, answers, a forwarded envelope)",
+    ),
     ("native", "ORT and OpenCV worker threads"),
-    ("agent-post", "routing and answers (and a forwarded frame's JPEG and envelope)"),
+    (
+        "agent-post",
+        "with one inference thread: routing and answers, a forwarded frame's JPEG and envelope",
+    ),
     ("spool-writer", "spool writer (transactions, publishing)"),
     ("bench-cloud", "receipts and verdicts (the agent's handling, on the stand-in's thread)"),
     ("verdict-writer", "verdict writer"),
@@ -931,8 +937,11 @@ AGENT_THREADS = (
 HTTP_THREADS = (
     ("http-api", "HTTP server (requests, answers)"),
     ("http-decode", "decoding (a JPEG at the model's size, RGB)"),
-    ("inference-loop", "inference (batches, ORT, routing, answers)"),
-    ("agent-post", "a forwarded frame's envelope"),
+    (
+        "inference-loop",
+        "inference (batches, ORT, routing, answers; with several, a forwarded frame's envelope)",
+    ),
+    ("agent-post", "a forwarded frame's envelope (one inference thread)"),
     ("spool-writer", "spool writer (transactions, publishing)"),
     ("mqtt-io", "MQTT link (receipts, verdicts in)"),
     ("verdict-writer", "verdict writer"),

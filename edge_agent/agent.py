@@ -9,10 +9,11 @@ Their named background threads:
 - ``inference-loop``  (:mod:`edge_agent.intake`) batches frames across sources and runs
                       the student (``inference_threads`` > 1: ``inference-loop-1`` ...
                       too, each with a batch of its own)
-- ``agent-post-*``    encodes and spools each batch's forwarded frames; when one
-                      inference thread feeds a GPU, it also routes each inferred batch
-                      (one hand-over per batch) and answers its confident frames, which
-                      inference threads on a CPU do for their own batches
+- ``agent-post-*``    with one inference thread, encodes and spools each batch's
+                      forwarded frames, and when that thread feeds a GPU also routes
+                      each inferred batch (one hand-over per batch) and answers its
+                      confident frames; several inference threads do all of it for
+                      their own batches
 - ``spool-writer``    (:mod:`edge_agent.spool_writer`) stores forwarded samples a
                       micro-batch at a time (one transaction); a forwarded frame is
                       answered once its sample is committed, and the batch is published
@@ -229,13 +230,17 @@ class Agent:
         return self
 
     def _start_sources(self) -> None:
-        # A batch for each inference thread; a video file one more, so its reader
-        # decodes the next batch while those are inferred. A live camera keeps no more,
-        # to answer fresh frames.
-        batches = max(1, self.settings.max_batch) * self.settings.inference_threads
+        # A batch for each inference thread; a video file two more, so its reader
+        # prepares the next batches while those are inferred even when two inference
+        # threads finish at once, or a forwarded frame holds its slot until its sample
+        # is committed (with one more, the detector's clip ran 836 against 865 frames/s:
+        # `python -m bench.ab agent --source video`). A live camera keeps no more, to
+        # answer fresh frames.
+        batch = max(1, self.settings.max_batch)
+        batches = batch * self.settings.inference_threads
         for camera in self.settings.cameras:
             live = not Path(camera.uri).is_file()
-            inflight = batches if live else batches + self.settings.max_batch
+            inflight = batches if live else batches + 2 * batch
             self._sources.append(CameraReader(camera, self, max_inflight=inflight).start())
         for folder in self.settings.folders:
             self._sources.append(FolderWatcher(folder, self).start())

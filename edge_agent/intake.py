@@ -4,9 +4,10 @@ Every source (the HTTP API, cameras, folders) hands frames to one
 :class:`MicroBatcher` (``inference-loop``); each inferred batch is routed at once, on
 its inference thread (on ``agent-post``, one hand-over per batch, when a single
 inference thread feeds a GPU). Confident frames are answered there and
-then; a forwarded frame is encoded and spooled by :class:`Forwarding` on
-``agent-post`` and answered once its sample is committed. Sources see only
-:class:`FrameSink`, the part of the agent they send frames to.
+then; a forwarded frame is encoded and spooled by :class:`Forwarding` (on the
+inference thread when several infer, else on ``agent-post``) and answered once its
+sample is committed. Sources see only :class:`FrameSink`, the part of the agent
+they send frames to.
 """
 
 from __future__ import annotations
@@ -336,7 +337,10 @@ class Intake:
         # `python -m bench.ab agent --layout 0,1`: video 1298 against 1201 frames/s, HTTP
         # 1018 against 992). With one inference thread on a GPU, the batch is handed
         # over, so the device gets its next batch at once.
-        # Forwarded frames are encoded and spooled on agent-post either way.
+        # Forwarded frames are encoded here too when several threads infer (another
+        # infers meanwhile, and a hand-over per batch cost more than the envelope: the
+        # detector behind HTTP, `python -m bench.ab agent`, 2.425 against 2.350 ms and
+        # 733 against 756 frames/s); with one, on agent-post, so the next batch starts.
         jobs: list[_Job] = batch.jobs
         if batch.error is not None:
             _fail_all(jobs, batch.error)
@@ -354,7 +358,7 @@ class Intake:
     def _finish_batch(self, batch: JobBatch, *, on_inference_thread: bool = False) -> None:
         """Route one inferred batch and answer it: confident frames at once, forwarded
         ones once their samples are spooled (encoded after the others are answered; on
-        agent-post when this runs on an inference thread)."""
+        agent-post when this runs on the only inference thread)."""
         jobs: list[_Job] = batch.jobs
         forwarding = 0  # forwarded frames _forward_all counts as routed
         try:
@@ -383,7 +387,7 @@ class Intake:
                     job.reply(None, exc)
             self._deliver(answered)
             forwarding = len(forwarded)
-            if forwarded and on_inference_thread:
+            if forwarded and on_inference_thread and self.settings.inference_threads == 1:
                 try:
                     self._post.submit(self._forward_all, forwarded, batch)
                     return

@@ -291,8 +291,8 @@ def test_a_video_file_feeds_every_inference_thread_a_batch(
         reader = agent._sources[0]
         status = agent.status()["sources"][0]
     assert paired.paired.is_set()
-    # A batch per inference thread, and one more read ahead.
-    assert reader.max_inflight == 12  # type: ignore[attr-defined]
+    # A batch per inference thread, and two more read ahead.
+    assert reader.max_inflight == 16  # type: ignore[attr-defined]
     assert status["dropped"] == 0 and status["last_error"] is None
 
 
