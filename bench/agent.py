@@ -921,14 +921,14 @@ AGENT_THREADS = (
     ("camera-video-prepare", "preparation (decodes a JPEG at the model's size; shrinks, RGB)"),
     (
         "inference-loop",
-        "inference loop (batches, ORT; with several, routing, answers, a forwarded envelope)",
+        "inference loop (batches, ORT; with several, routing, answers, forwarded samples)",
     ),
     ("native", "ORT and OpenCV worker threads"),
     (
         "agent-post",
         "with one inference thread: routing and answers, a forwarded frame's JPEG and envelope",
     ),
-    ("spool-writer", "spool writer (transactions, publishing)"),
+    ("spool-writer", "spool writer (transactions, publishing; one inference thread)"),
     ("bench-cloud", "receipts and verdicts (the agent's handling, on the stand-in's thread)"),
     ("verdict-writer", "verdict writer"),
 )
@@ -939,10 +939,10 @@ HTTP_THREADS = (
     ("http-decode", "decoding (a JPEG at the model's size, RGB)"),
     (
         "inference-loop",
-        "inference (batches, ORT, routing, answers; with several, a forwarded frame's envelope)",
+        "inference (batches, ORT, routing, answers; with several, forwarded samples)",
     ),
     ("agent-post", "a forwarded frame's envelope (one inference thread)"),
-    ("spool-writer", "spool writer (transactions, publishing)"),
+    ("spool-writer", "spool writer (transactions, publishing; one inference thread)"),
     ("mqtt-io", "MQTT link (receipts, verdicts in)"),
     ("verdict-writer", "verdict writer"),
     ("other", "ORT's and OpenCV's worker threads"),

@@ -15,7 +15,8 @@ Their named background threads:
                       confident frames; several inference threads do all of it for
                       their own batches
 - ``spool-writer``    (:mod:`edge_agent.spool_writer`) stores forwarded samples a
-                      micro-batch at a time (one transaction); a forwarded frame is
+                      micro-batch at a time (one transaction; several inference threads
+                      store their own batch's the same way); a forwarded frame is
                       answered once its sample is committed, and the batch is published
                       right after, while the link keeps up
 - ``uplink-pump``     publishes what is due in the spool (samples stored while the link

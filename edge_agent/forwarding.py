@@ -1,8 +1,9 @@
 """Forwarded frames to the cloud: sample envelopes, the disk spool, the uplink pump, receipts.
 
 A forwarded frame becomes a sample envelope (its image as received or re-encoded,
-the edge's scores and route) and goes to the spool a micro-batch at a time
-(``spool-writer``, one transaction); the batch is published right after it commits
+the edge's scores and route) and goes to the spool a micro-batch at a time, in one
+transaction (``spool-writer``, or the inference thread that routed them when several
+infer); the batch is published right after it commits
 while the link keeps up. ``uplink-pump`` publishes what is due in the spool (samples
 stored while the link was down or backed up, resends) and applies receipts that
 arrived while samples were being published. ``docs/architecture.md`` ("Delivery is
@@ -14,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -233,9 +234,22 @@ class Forwarding:
         )
         return encode_envelope(header, image, self._limits)
 
-    def store(self, sample: NewSample, done: Callable[[bool], None]) -> None:
-        """Spool ``sample``; ``done(stored)`` runs once it is committed (or failed, counted)."""
+    def store(
+        self, samples: Sequence[tuple[NewSample, Callable[[bool], None]]], *, here: bool = False
+    ) -> None:
+        """Spool each ``(sample, done)``; ``done(stored)`` runs once it is committed (or
+        failed, counted). ``here``: in one transaction on this thread, as the spool
+        writer would store them, else gathered by the writer with other threads' samples."""
+        entries = [(sample, self._stored_callback(sample, done)) for sample, done in samples]
+        if here:
+            self.spool_writer.store_now(entries)
+            return
+        for sample, stored in entries:
+            self.spool_writer.submit(sample, stored)
 
+    def _stored_callback(
+        self, sample: NewSample, done: Callable[[bool], None]
+    ) -> Callable[[bool, BaseException | None], None]:
         def stored(ok: bool, error: BaseException | None) -> None:
             if error is not None:
                 # The frame is still answered; the failure is counted and shown.
@@ -243,7 +257,7 @@ class Forwarding:
                 log.warning("could not spool sample %s: %s", sample.sample_id, error)
             done(ok)
 
-        self.spool_writer.submit(sample, stored)
+        return stored
 
     # --- the link --------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from edge_agent.imaging import (
 )
 from edge_agent.routing import Decision, Router
 from edge_agent.settings import AgentSettings
+from edge_agent.spool import NewSample
 from edge_agent.telemetry import Telemetry
 from edge_agent.verdicts import RecentAnswers
 from shared.decode_pool import DecodePool
@@ -337,10 +338,12 @@ class Intake:
         # `python -m bench.ab agent --layout 0,1`: video 1298 against 1201 frames/s, HTTP
         # 1018 against 992). With one inference thread on a GPU, the batch is handed
         # over, so the device gets its next batch at once.
-        # Forwarded frames are encoded here too when several threads infer (another
-        # infers meanwhile, and a hand-over per batch cost more than the envelope: the
-        # detector behind HTTP, `python -m bench.ab agent`, 2.425 against 2.350 ms and
-        # 733 against 756 frames/s); with one, on agent-post, so the next batch starts.
+        # Forwarded frames are encoded and committed here too when several threads
+        # infer (another infers meanwhile, and each hand-over cost more than the work:
+        # the detector behind HTTP, `python -m bench.ab agent`, encoding here 2.425
+        # against 2.350 ms and 733 against 756 frames/s, then committing here too 2.533
+        # against 2.458 ms, 702 against 717 frames/s; on video even); with one, on
+        # agent-post through the spool writer, so the next batch starts at once.
         jobs: list[_Job] = batch.jobs
         if batch.error is not None:
             _fail_all(jobs, batch.error)
@@ -394,22 +397,31 @@ class Intake:
                 except RuntimeError:  # the pool is shut down: the agent is stopping
                     pass
             if forwarded:
-                self._forward_all(forwarded, batch)
+                self._forward_all(forwarded, batch, commit_here=on_inference_thread)
         finally:
             self.forwarding.routed(len(jobs) - forwarding)
 
-    def _forward_all(self, forwarded: list[_Forwarded], batch: JobBatch) -> None:
-        """``_forward`` each of a batch's forwarded frames, then count them as routed."""
+    def _forward_all(
+        self, forwarded: list[_Forwarded], batch: JobBatch, *, commit_here: bool = False
+    ) -> None:
+        """Spool a batch's forwarded frames (one transaction on this thread when
+        ``commit_here``, else through the spool writer), then count them as routed."""
         try:
+            samples: list[tuple[NewSample, Callable[[bool], None]]] = []
             for job, row, decision, sample_id in forwarded:
-                self._forward(job, row, batch, decision, sample_id)
+                entry = self._forward(job, row, batch, decision, sample_id)
+                if entry is not None:
+                    samples.append(entry)
+            if samples:
+                self.forwarding.store(samples, here=commit_here)
         finally:
             self.forwarding.routed(len(forwarded))
 
     def _forward(
         self, job: _Job, row: np.ndarray, batch: JobBatch, decision: Decision, sample_id: str
-    ) -> None:
-        """Spool a forwarded frame's sample, then answer it (unforwarded when that fails)."""
+    ) -> tuple[NewSample, Callable[[bool], None]] | None:
+        """A forwarded frame's sample and what answers it once stored (unforwarded when
+        that fails); None when it could not be made (the frame is answered here)."""
         answer = self.router.task.sample_fields(row)  # once, for the header and the reply
         try:
             sample = self.forwarding.encode_sample(
@@ -427,10 +439,10 @@ class Intake:
             )
             if sample is None:
                 self._deliver([(job, self._result(job, answer, batch, decision, sample_id))])
-                return
+                return None
         except BaseException as exc:
             job.reply(None, exc)
-            return
+            return None
 
         def stored(ok: bool) -> None:
             try:
@@ -440,7 +452,7 @@ class Intake:
             else:
                 self._deliver([(job, result)])
 
-        self.forwarding.store(sample, stored)
+        return sample, stored
 
     def _result(
         self,

@@ -93,6 +93,12 @@ class SpoolWriter:
                 return
         self._store([(sample, done)])
 
+    def store_now(self, batch: list[tuple[NewSample, StoredCallback]]) -> None:
+        """Store ``batch`` in one transaction on the caller's thread, then tell each
+        caller and publish, as the writer does with what it gathers (a thread that has
+        a micro-batch's samples in hand saves the hand-over and the writer's wake-up)."""
+        self._store(batch)
+
     def nudge(self) -> None:
         """Wake the writer to look again at ``expecting`` (nothing more is on its way)."""
         if not self._queue:  # nothing gathering (a stale read only delays to the window)

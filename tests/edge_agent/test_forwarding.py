@@ -59,6 +59,36 @@ def test_a_forwarded_answer_means_the_sample_is_spooled(
         assert writer.commits < 32  # gathered into micro-batches, one transaction each
 
 
+def test_several_inference_threads_spool_their_own_batches_forwarded_frames(
+    make_settings: Callable[..., AgentSettings], engine: object
+) -> None:
+    # Each batch's forwarded samples are committed and answered on the inference thread
+    # that routed them, one transaction a batch: no hand-over to another thread.
+    publisher = MemoryPublisher(connected=False)
+    settings = make_settings(route_max_prob_below=1.01, max_batch=8, inference_threads=2)
+    with Agent(settings, engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
+        answered_on: list[str] = []
+        results: list[FrameResult] = []
+        all_answered = threading.Event()
+
+        def reply(result: FrameResult | None, error: BaseException | None) -> None:
+            assert result is not None, error
+            answered_on.append(threading.current_thread().name)
+            results.append(result)
+            if len(results) == 24:
+                all_answered.set()
+
+        for frame in frames(24):
+            agent.answer_bgr(frame, reply, source="test")
+        assert all_answered.wait(10)
+        assert all(r.forwarded for r in results)
+        assert {r.sample_id for r in results} <= set(agent.spool.ids())
+        writer = agent.spool_writer
+        assert writer.samples == 24
+        assert writer.commits == agent.batcher.batches  # one transaction per batch
+    assert answered_on and all(name.startswith("inference-loop") for name in answered_on)
+
+
 @pytest.mark.parametrize("inference_threads", [1, 2])
 def test_fresh_samples_are_published_once_and_receipted(
     make_settings: Callable[..., AgentSettings],
