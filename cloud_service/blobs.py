@@ -123,7 +123,8 @@ class LocalBlobStore:
         for key, data in items:
             keys.append(f"{pack}/{offset}-{len(data)}{posixpath.splitext(key)[1]}")
             offset += len(data)
-        return BlobBatch(keys, functools.partial(self._write_pack, pack, [d for _, d in items]))
+        blobs = [d for _, d in items]
+        return BlobBatch(keys, functools.partial(self._write_pack, pack, blobs), fresh=True)
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[str]:
         batch = self.batch(items)

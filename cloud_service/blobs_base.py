@@ -34,6 +34,10 @@ class BlobBatch:
 
     keys: list[str]
     write: Callable[[], None]
+    # Whether every key is a name this batch alone uses (the local folder's pack
+    # members): a key whose row was not stored is then referred to by nothing, and
+    # its blob can be deleted. An offered key (S3) may be another write's as well.
+    fresh: bool = False
 
 
 @runtime_checkable

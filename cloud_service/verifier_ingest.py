@@ -50,6 +50,7 @@ from cloud_service.verdicts import VerdictStage
 from cloud_service.verifier_recovery import MalformedGuard
 from cloud_service.verifier_transport import Inbound, VerifierTransport
 from shared.decode_pool import DecodePool
+from shared.errors import StoreError
 from shared.lifecycle import Workers
 from shared.messages import Receipt, encode_message
 
@@ -228,7 +229,7 @@ class IngestStage:
                 batch.write()
                 written.set()
 
-        return BlobBatch(batch.keys, write_once)
+        return BlobBatch(batch.keys, write_once, batch.fresh)
 
     def store(self, messages: list[Inbound], outcomes: list[Classified], images: BlobBatch) -> None:
         """Make one classified batch durable, then ack, receipt and queue it for the teacher.
@@ -247,10 +248,12 @@ class IngestStage:
             elif outcome is not None:
                 statuses.append(outcome)
         # Images and rows are written side by side, and the rows commit only once the
-        # images are durable: a row never points at an image that is not there. A crash
-        # in between, or a redelivered sample's second copy, leaves bytes in a pack that
-        # no row points at (the local store packs a batch's images into one file).
+        # images are durable: a row never points at an image that is not there. The
+        # images of samples not stored (a redelivered sample's second copy) are deleted
+        # after the commit; a crash in between leaves bytes in a pack that no row points
+        # at (the local store packs a batch's images into one file).
         written = self._blob_writer.submit(images.write) if samples else None
+        offered = list(zip(samples, images.keys, strict=True))
         try:
             with self.sessions.begin() as session:
                 keys = zip(samples, images.keys, strict=True)
@@ -277,6 +280,8 @@ class IngestStage:
                 wait([written])  # one writer per batch at a time, even on a retry
         # Durable: now the broker may forget these messages.
         self.transport.ack(messages)
+        if images.fresh:
+            self._discard_unstored(offered, stored)
         new_keys = {key for key, (_cloud_id, new) in stored.items() if new}
         self._account(samples, new_keys, dead)
         self.guard.record_isolations(self.sessions)
@@ -289,6 +294,27 @@ class IngestStage:
                 fresh[cloud_id] = sample.task(self.verdicts.task, cloud_id)
         self.verdicts.submit_many(list(fresh.values()))
         self.metrics.queue_depth.set(self.verdicts.batcher.depth)
+
+    def _discard_unstored(
+        self,
+        offered: list[tuple[IngestSample, str]],
+        stored: dict[crud.SampleKey, tuple[str, bool]],
+    ) -> None:
+        """Delete the images of a batch's samples that no row points at: a sample stored
+        before (redelivered), a second copy in the same batch (the first one's row was
+        inserted), one that could not be given an id. Their keys are the batch's own."""
+        placed: set[crud.SampleKey] = set()
+        for sample, key in offered:
+            entry = stored.get(_key(sample))
+            if entry is not None and entry[1] and _key(sample) not in placed:
+                placed.add(_key(sample))  # its row points at this image
+                continue
+            try:
+                self.blobs.delete(key)
+            except StoreError as exc:  # the bytes stay; nothing points at them
+                log.warning("could not delete the unstored image %s: %s", key, exc)
+            else:
+                self.counts["images_discarded"] += 1
 
     def _account(
         self, samples: list[IngestSample], new_keys: set[crud.SampleKey], dead: list[DeadLetterRow]

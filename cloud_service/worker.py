@@ -84,7 +84,13 @@ class VerifierWorker:
             allow_spinning=settings.ort_allow_spinning,
             gpu_kernels=settings.teacher_gpu_kernels,
         )
-        self.counts = {"stored": 0, "duplicates": 0, "dead_letters": 0, "verdicts": 0}
+        self.counts = {
+            "stored": 0,
+            "duplicates": 0,
+            "dead_letters": 0,
+            "verdicts": 0,
+            "images_discarded": 0,  # images of samples not stored (redelivered), deleted
+        }
         # Progressive and costly images decode in processes, each within a budget: a
         # bomb is dead-lettered when its budget runs out, and its process killed.
         self.decode_pool = DecodePool(

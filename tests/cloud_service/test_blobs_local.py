@@ -49,6 +49,7 @@ def test_a_batch_names_its_keys_before_it_is_written(tmp_path: Path) -> None:
     store = LocalBlobStore(tmp_path / "blobs", fsync=False)
     pending = store.batch([(key, b"x" * 10) for key in keys(3)] + [("artifacts/a.onnx", b"")])
     assert not any(store.exists(key) for key in pending.keys)
+    assert pending.fresh  # names no other write uses
     assert pending.keys[-1].endswith("/30-0.onnx")  # an empty blob is a blob too
     pending.write()
     assert [store.get(key) for key in pending.keys] == [b"x" * 10] * 3 + [b""]

@@ -393,3 +393,39 @@ def test_a_store_retried_through_a_database_outage_writes_its_images_once(
     assert len(failures) == 2 and len(keys) == 10
     # Every pack on disk is one a row points at: the retries wrote no second copy.
     assert on_disk == {key.rsplit("/", 1)[0] for key in keys}
+
+
+def test_redelivered_samples_leave_no_image_bytes_behind(
+    make_settings: Callable[..., CloudSettings], broker: Any, topics: Topics, database_url: str
+) -> None:
+    fleet, agent = "fleet-a", "cam-1"
+    with running_worker(make_settings, broker, topics, database_url) as worker:
+        pub = publisher(broker.url, broker.protocol)
+        envelopes = [
+            make_envelope(fleet=fleet, agent=agent, image=image_bytes(seed=i))[1] for i in range(12)
+        ]
+        for envelope in envelopes:
+            pub.publish(topics.samples(fleet, agent), envelope, qos=1)
+        assert _wait(lambda: worker.counts["stored"] >= 12)
+        # Delivered again (an agent resending after a lost receipt), twice in one go.
+        for envelope in envelopes + envelopes[:3]:
+            pub.publish(topics.samples(fleet, agent), envelope, qos=1)
+        assert _wait(lambda: worker.counts["duplicates"] >= 15)
+        pub.loop_stop()
+        pub.disconnect()
+        with worker.sessions() as session:
+            keys = set(session.scalars(select(Sample.image_key)).all())
+        root = worker.blobs.root  # type: ignore[attr-defined]
+        packs = {str(p.relative_to(root)): p for p in root.rglob("*.pack")}
+        images = {key: worker.blobs.get(key) for key in keys}
+        assert worker.counts["stored"] == 12 and worker.counts["images_discarded"] == 15
+    assert len(keys) == 12 and len(set(images.values())) == 12
+    # Every pack left is one a row points at, and holds no byte but the rows' images:
+    # the second copies were deleted (a pack of them alone is gone).
+    assert set(packs) == {key.rsplit("/", 1)[0] for key in keys}
+    for name, path in packs.items():
+        own = sum(len(data) for key, data in images.items() if key.startswith(name + "/"))
+        deleted = path.with_name(path.name + ".deleted")
+        ranges = deleted.read_text().split() if deleted.exists() else []
+        freed = sum(int(r.split("-")[1]) for r in ranges)
+        assert own + freed == path.stat().st_size
