@@ -256,8 +256,7 @@ class IngestStage:
         offered = list(zip(samples, images.keys, strict=True))
         try:
             with self.sessions.begin() as session:
-                keys = zip(samples, images.keys, strict=True)
-                rows = [sample_row(sample, now, key) for sample, key in keys]
+                rows = [sample_row(sample, now, key) for sample, key in offered]
                 stored = crud.store_samples(session=session, rows=rows)
                 unplaced = [s for s in samples if _key(s) not in stored]
                 dead = dead + [_id_conflict(s) for s in unplaced]
@@ -305,9 +304,10 @@ class IngestStage:
         inserted), one that could not be given an id. Their keys are the batch's own."""
         placed: set[crud.SampleKey] = set()
         for sample, key in offered:
-            entry = stored.get(_key(sample))
-            if entry is not None and entry[1] and _key(sample) not in placed:
-                placed.add(_key(sample))  # its row points at this image
+            sample_key = _key(sample)
+            entry = stored.get(sample_key)
+            if entry is not None and entry[1] and sample_key not in placed:
+                placed.add(sample_key)  # its row points at this image
                 continue
             try:
                 self.blobs.delete(key)
