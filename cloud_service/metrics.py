@@ -72,6 +72,11 @@ class CloudMetrics:
         self.duplicates = Counter(
             "edgeloop_ingest_duplicates", "Samples received again and already stored", registry=r
         )
+        self.images_discarded = Counter(
+            "edgeloop_ingest_images_discarded",
+            "Images of samples not stored (a redelivered sample's second copy), deleted",
+            registry=r,
+        )
         self.forwarded = Counter(
             "edgeloop_agent_forwarded_samples",
             "Samples received per agent (its forward rate)",

@@ -315,6 +315,7 @@ class IngestStage:
                 log.warning("could not delete the unstored image %s: %s", key, exc)
             else:
                 self.counts["images_discarded"] += 1
+                self.metrics.images_discarded.inc()
 
     def _account(
         self, samples: list[IngestSample], new_keys: set[crud.SampleKey], dead: list[DeadLetterRow]

@@ -419,6 +419,7 @@ def test_redelivered_samples_leave_no_image_bytes_behind(
         packs = {str(p.relative_to(root)): p for p in root.rglob("*.pack")}
         images = {key: worker.blobs.get(key) for key in keys}
         assert worker.counts["stored"] == 12 and worker.counts["images_discarded"] == 15
+        assert "edgeloop_ingest_images_discarded_total 15.0" in worker.metrics.render().decode()
     assert len(keys) == 12 and len(set(images.values())) == 12
     # Every pack left is one a row points at, and holds no byte but the rows' images:
     # the second copies were deleted (a pack of them alone is gone).
