@@ -342,8 +342,8 @@ class Intake:
         # infer (another infers meanwhile, and each hand-over cost more than the work:
         # the detector behind HTTP, `python -m bench.ab agent`, encoding here 2.425
         # against 2.350 ms and 733 against 756 frames/s, then committing here too 2.533
-        # against 2.458 ms, 702 against 717 frames/s; on video even); with one, on
-        # agent-post through the spool writer, so the next batch starts at once.
+        # against 2.458 ms, 702 against 717 frames/s; on video no clear change); with
+        # one, on agent-post through the spool writer, so the next batch starts at once.
         jobs: list[_Job] = batch.jobs
         if batch.error is not None:
             _fail_all(jobs, batch.error)
