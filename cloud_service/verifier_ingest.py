@@ -300,8 +300,9 @@ class IngestStage:
         stored: dict[crud.SampleKey, tuple[str, bool]],
     ) -> None:
         """Delete the images of a batch's samples that no row points at: a sample stored
-        before (redelivered), a second copy in the same batch (the first one's row was
-        inserted), one that could not be given an id. Their keys are the batch's own."""
+        before (redelivered), a second copy in the same batch (``crud.store_samples``
+        stores the first), one that could not be given an id. Their keys are the
+        batch's own."""
         placed: set[crud.SampleKey] = set()
         for sample, key in offered:
             sample_key = _key(sample)

@@ -72,6 +72,24 @@ def test_store_samples_keeps_each_agents_sample_once(database_url: str) -> None:
         engine.dispose()
 
 
+def test_of_several_rows_with_one_key_the_first_is_stored(database_url: str) -> None:
+    # Ingest relies on it: the images of the other rows are deleted as unreferenced.
+    upgrade_database(database_url)
+    engine = make_engine(database_url)
+    sessions = make_session_factory(engine)
+    sid = new_sample_id()
+    rows = [{**_row("cam-1", sid), "image_key": f"packs/x.pack/{i}-1.jpg"} for i in range(3)]
+    try:
+        with sessions.begin() as session:
+            stored = crud.store_samples(session=session, rows=rows)
+        assert stored == {("fleet-a", "cam-1", sid): (sid, True)}
+        with sessions() as session:
+            keys = session.scalars(select(Sample.image_key).where(Sample.sample_id == sid)).all()
+        assert keys == ["packs/x.pack/0-1.jpg"]
+    finally:
+        engine.dispose()
+
+
 @pytest.mark.mqtt
 def test_two_agents_with_one_sample_id_each_get_their_receipt_and_verdict(
     make_settings: Callable[..., CloudSettings],

@@ -241,6 +241,8 @@ def store_samples(
     agent's sample holds that id; then under ``colliding_sample_id``, a cloud id
     derived from (fleet, agent, id), so a redelivery finds the same row. A row
     missing from the result could not be given an id (every candidate was held).
+    Of several rows with one key, the first is the one stored (ingest deletes the
+    images of the others).
     """
 
     def key(row: dict[str, Any]) -> SampleKey:
