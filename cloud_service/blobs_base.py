@@ -12,13 +12,13 @@ the key the batch gave it (``BlobBatch.keys``), never by the key it was offered 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from shared.errors import StoreError
 
-__all__ = ["BlobBatch", "BlobStore", "check_blob_key", "sample_image_key"]
+__all__ = ["BlobBatch", "BlobStore", "SweptBlobs", "check_blob_key", "sample_image_key"]
 
 _KEY_RE = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 
@@ -38,6 +38,26 @@ class BlobBatch:
     # members): a key whose row was not stored is then referred to by nothing, and
     # its blob can be deleted. An offered key (S3) may be another write's as well.
     fresh: bool = False
+    # Call once what points at the keys is committed (or nothing ever will): until
+    # then, should this process die, a later ``sweep_abandoned`` by another process
+    # deletes the blobs that nothing points at.
+    settle: Callable[[], None] = lambda: None
+
+
+@dataclass(frozen=True)
+class SweptBlobs:
+    """What one ``sweep_abandoned`` found and did."""
+
+    batches: int = 0  # abandoned batches looked at (their writers had died unsettled)
+    bytes_deleted: int = 0  # bytes of blobs nothing pointed at, deleted
+    bytes_kept: int = 0  # bytes of blobs something pointed at, kept
+
+    def __add__(self, other: SweptBlobs) -> SweptBlobs:
+        return SweptBlobs(
+            self.batches + other.batches,
+            self.bytes_deleted + other.bytes_deleted,
+            self.bytes_kept + other.bytes_kept,
+        )
 
 
 @runtime_checkable
@@ -59,6 +79,14 @@ class BlobStore(Protocol):
     def exists(self, key: str) -> bool: ...
 
     def delete(self, key: str) -> None: ...
+
+    def sweep_abandoned(
+        self, referenced: Callable[[str], Collection[str]], *, older_than_s: float
+    ) -> SweptBlobs:
+        """Delete the blobs of batches whose writing process died before they settled,
+        written at least ``older_than_s`` ago, that nothing points at: ``referenced(prefix)``
+        names the keys under ``prefix`` that something points at."""
+        ...
 
 
 def sample_image_key(fleet: str, agent: str, sample_id: str, image_format: str) -> str:

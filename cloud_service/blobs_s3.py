@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from cloud_service.blobs_base import BlobBatch, check_blob_key
+from cloud_service.blobs_base import BlobBatch, SweptBlobs, check_blob_key
 from shared.errors import ConfigError, StoreError
 
 if TYPE_CHECKING:
@@ -183,6 +183,15 @@ class S3BlobStore:
         batch = self.batch(items)
         batch.write()
         return batch.keys
+
+    def sweep_abandoned(
+        self, referenced: Callable[[str], Collection[str]], *, older_than_s: float
+    ) -> SweptBlobs:
+        """Nothing to sweep: a batch's objects are stored under the keys offered, so a
+        writer that died before its rows committed is redelivered the same messages,
+        and the retry writes the same objects again (a bucket lifecycle rule ages out
+        what the broker never redelivers)."""
+        return SweptBlobs()
 
     def _upload(self, items: Sequence[tuple[str, bytes]]) -> None:
         if len(items) <= 1 or self.max_concurrency == 1:

@@ -77,6 +77,11 @@ class CloudMetrics:
             "Images of samples not stored (a redelivered sample's second copy), deleted",
             registry=r,
         )
+        self.abandoned_batches = Counter(
+            "edgeloop_blob_abandoned_batches",
+            "Image batches a dead verifier process wrote but never settled, swept",
+            registry=r,
+        )
         self.forwarded = Counter(
             "edgeloop_agent_forwarded_samples",
             "Samples received per agent (its forward rate)",

@@ -229,7 +229,7 @@ class IngestStage:
                 batch.write()
                 written.set()
 
-        return BlobBatch(batch.keys, write_once, batch.fresh)
+        return BlobBatch(batch.keys, write_once, batch.fresh, batch.settle)
 
     def store(self, messages: list[Inbound], outcomes: list[Classified], images: BlobBatch) -> None:
         """Make one classified batch durable, then ack, receipt and queue it for the teacher.
@@ -250,8 +250,9 @@ class IngestStage:
         # Images and rows are written side by side, and the rows commit only once the
         # images are durable: a row never points at an image that is not there. The
         # images of samples not stored (a redelivered sample's second copy) are deleted
-        # after the commit; a crash in between leaves bytes in a pack that no row points
-        # at (the local store packs a batch's images into one file).
+        # after the commit. Should this process die before the batch settles, a live
+        # verifier's recovery scan deletes what of its images no row points at
+        # (``BlobStore.sweep_abandoned``).
         written = self._blob_writer.submit(images.write) if samples else None
         offered = list(zip(samples, images.keys, strict=True))
         try:
@@ -281,6 +282,7 @@ class IngestStage:
         self.transport.ack(messages)
         if images.fresh:
             self._discard_unstored(offered, stored)
+        images.settle()  # committed: no sweep need look at these images again
         new_keys = {key for key, (_cloud_id, new) in stored.items() if new}
         self._account(samples, new_keys, dead)
         self.guard.record_isolations(self.sessions)

@@ -5,6 +5,8 @@ and queues them for the teacher: all of them at start (this verifier may have
 crashed with them in flight), then every 30 s those older than
 ``recovery_grace_s`` (recent ones belong to whichever verifier of the shared
 subscription holds them now). Shed or refused samples come back this way too.
+Each scan also sweeps the images a dead verifier process wrote but never committed
+rows for (``BlobStore.sweep_abandoned``): what no row points at is deleted.
 
 ``MalformedGuard`` wraps ingest's ``classify``: a message over every size limit is
 dead-lettered unread, and a per-agent breaker (``cloud_service.ingest.AgentBreaker``)
@@ -28,7 +30,7 @@ from sqlalchemy import update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from cloud_service.blobs import BlobStore
+from cloud_service.blobs import BlobStore, SweptBlobs
 from cloud_service.db import crud
 from cloud_service.db.models import Agent
 from cloud_service.ingest import AgentBreaker, Classified, DeadLetterRow, SampleTask
@@ -208,12 +210,14 @@ class Recovery:
         blobs: BlobStore,
         decode_pool: DecodePool,
         verdicts: VerdictStage,
+        metrics: CloudMetrics,
     ) -> None:
         self.settings = settings
         self.sessions = sessions
         self.blobs = blobs
         self.decode_pool = decode_pool
         self.verdicts = verdicts
+        self.metrics = metrics
         self.workers = Workers("verifier")
         self._grace_s = 0.0  # the first scan takes every pending sample
 
@@ -229,6 +233,35 @@ class Recovery:
             self._grace_s = self.settings.recovery_grace_s
         except (SQLAlchemyError, EdgeLoopError, OSError) as exc:
             log.warning("recovery scan failed: %s", exc)
+        try:
+            self.sweep_abandoned_images()
+        except (SQLAlchemyError, EdgeLoopError) as exc:
+            log.warning("sweeping abandoned images failed: %s", exc)
+
+    def sweep_abandoned_images(self, *, older_than_s: float | None = None) -> SweptBlobs:
+        """Delete the images that dead verifier processes wrote and no row points at.
+
+        Only batches marked at least ``older_than_s`` ago (default ``recovery_grace_s``)
+        are looked at: a commit the database had not finished when its process died
+        has long landed or been rolled back by then.
+        """
+
+        def referenced(prefix: str) -> list[str]:
+            with self.sessions() as session:
+                return crud.image_keys_under(session=session, prefix=prefix)
+
+        grace = self.settings.recovery_grace_s if older_than_s is None else older_than_s
+        swept = self.blobs.sweep_abandoned(referenced, older_than_s=grace)
+        if swept.batches:
+            self.metrics.abandoned_batches.inc(swept.batches)
+            log.warning(
+                "swept %d image batch(es) a dead verifier left unsettled: %d bytes no"
+                " sample pointed at deleted, %d kept",
+                swept.batches,
+                swept.bytes_deleted,
+                swept.bytes_kept,
+            )
+        return swept
 
     def recover_pending(self, *, limit: int = 100_000, grace_s: float = 0.0) -> int:
         """Submit stored, unverified samples that are not in flight here; return how many.

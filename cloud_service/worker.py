@@ -29,7 +29,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from cloud_service.batcher import DynamicBatcher
-from cloud_service.blobs import BlobStore, open_blob_store
+from cloud_service.blobs import BlobStore, LocalBlobStore, open_blob_store
 from cloud_service.db.session import make_engine, make_session_factory, upgrade_database
 from cloud_service.ingest import AgentBreaker, InboxBudget, ReceiptBuffer, SampleTask
 from cloud_service.metrics import CloudMetrics
@@ -133,6 +133,7 @@ class VerifierWorker:
             blobs=self.blobs,
             decode_pool=self.decode_pool,
             verdicts=self.verdicts,
+            metrics=self.metrics,
         )
         self._switch_interval = switch_interval(settings.verifier_switch_interval_ms)
         self._collections = young_collections(settings.verifier_gc_young_every)
@@ -234,6 +235,8 @@ class VerifierWorker:
         self.ingest.stop()  # stores what is staged, flushes the receipts
         self.verdicts.stop()  # the teacher runs what it holds; its verdicts go out
         self.recovery.stop()
+        if isinstance(self.blobs, LocalBlobStore):
+            self.blobs.close()  # its writer's lock: what it left unsettled is now sweepable
         self.decode_pool.close()
         self.transport.stop()
         if self._engine is not None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +49,47 @@ def make_settings(tmp_path: Path, teacher_path: Path) -> Callable[..., CloudSett
         return CloudSettings(**values)
 
     return make
+
+
+_DEAD_BLOB_WRITER = """
+import json, os, sys
+from cloud_service.blobs import LocalBlobStore
+store = LocalBlobStore(sys.argv[1], fsync=True)
+settled = set(json.loads(sys.argv[3]))
+written = []
+for i, blobs in enumerate(json.loads(sys.argv[2])):
+    batch = store.batch([(f"samples/f/a/{i}-{j}.jpg", b.encode()) for j, b in enumerate(blobs)])
+    batch.write()
+    if i in settled:
+        batch.settle()  # what points at it committed
+    written.append(batch.keys)
+print(json.dumps(written), flush=True)
+os._exit(3)  # dies: no close, no cleanup
+"""
+
+
+def dead_blob_writer(
+    root: Path, batches: list[list[str]], *, settled: Collection[int] = ()
+) -> list[list[str]]:
+    """The keys of ``batches`` (each a list of blobs, as text) written into the local
+    blob store at ``root`` by a process that then died, having settled the batches
+    numbered in ``settled`` only."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _DEAD_BLOB_WRITER,
+            str(root),
+            json.dumps(batches),
+            json.dumps(sorted(settled)),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 3, done.stderr
+    written: list[list[str]] = json.loads(done.stdout)
+    return written
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, step: float = 0.05) -> bool:

@@ -13,6 +13,7 @@ from cloud_service import blobs as blobs_module
 from cloud_service.blobs import LocalBlobStore, sample_image_key
 from shared.errors import StoreError
 from shared.ids import new_sample_id
+from tests.cloud_service.conftest import dead_blob_writer
 
 
 def keys(n: int, agent: str = "cam-1") -> list[str]:
@@ -20,7 +21,13 @@ def keys(n: int, agent: str = "cam-1") -> list[str]:
 
 
 def files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file())
+    """The blobs and packs under ``root`` (not the writers' locks and markers)."""
+    return sorted(p for p in root.rglob("*") if p.is_file() and ".writers" not in p.parts)
+
+
+def markers(root: Path) -> list[Path]:
+    """The unsettled packs' markers under ``root``."""
+    return sorted(p for p in (root / "packs" / ".writers").glob("*/*") if p.name != "lock")
 
 
 @pytest.mark.parametrize("fsync", [True, False])
@@ -98,6 +105,7 @@ def test_a_pack_cut_short_while_written_is_removed(
     with pytest.raises(StoreError, match="No space left"):
         pending.write()
     assert not [p for p in files(tmp_path / "blobs") if p.suffix == ".pack"]
+    assert markers(tmp_path / "blobs") == []  # nor its marker
     with pytest.raises(StoreError) as missing:
         store.get(pending.keys[0])
     assert missing.value.reason == "not_found"
@@ -150,3 +158,60 @@ def test_a_pack_stays_while_any_of_its_bytes_is_not_deleted(tmp_path: Path) -> N
     assert store.get(second) == b"0123456789"
     store.delete(second)
     assert files(tmp_path / "blobs") == []
+
+
+def test_a_dead_writers_unsettled_pack_loses_what_nothing_points_at(tmp_path: Path) -> None:
+    root = tmp_path / "blobs"
+    first, settled, nothing = dead_blob_writer(
+        root, [["aaaa", "bbbbbb", "cc", "dddd"], ["e"], ["ff"]], settled={1}
+    )
+    assert len(markers(root)) == 2  # the settled batch left none
+    sweeper = LocalBlobStore(root, fsync=False)
+    asked: list[str] = []
+
+    def referenced(prefix: str) -> list[str]:
+        asked.append(prefix)
+        return [first[1], first[3]] if first[0].startswith(prefix) else []
+
+    swept = sweeper.sweep_abandoned(referenced, older_than_s=0)
+    assert sorted(asked) == sorted(k[0].rsplit("/", 1)[0] + "/" for k in (first, nothing))
+    assert swept.batches == 2 and swept.bytes_kept == 10 and swept.bytes_deleted == 4 + 2 + 2
+    assert [sweeper.exists(k) for k in first] == [False, True, False, True]
+    assert [sweeper.get(first[1]), sweeper.get(first[3])] == [b"bbbbbb", b"dddd"]
+    assert not sweeper.exists(nothing[0])  # nothing pointed at it: the pack is gone
+    assert sweeper.get(settled[0]) == b"e"  # settled: never looked at
+    packs = sorted(p.name for p in files(root) if p.suffix == ".pack")
+    assert packs == sorted(k[0].split("/")[-2] for k in (first, settled))
+    assert not (root / "packs" / ".writers").exists() or not any(
+        (root / "packs" / ".writers").iterdir()
+    )  # the dead writer's folder went with its last marker
+    assert sweeper.sweep_abandoned(referenced, older_than_s=0).batches == 0
+
+
+def test_a_live_writers_packs_and_young_markers_are_left_alone(tmp_path: Path) -> None:
+    root = tmp_path / "blobs"
+    writer = LocalBlobStore(root, fsync=False)
+    pending = writer.batch([(key, b"x" * 5) for key in keys(2)])
+    pending.write()  # its rows have not committed yet
+    sweeper = LocalBlobStore(root, fsync=False)
+    assert sweeper.sweep_abandoned(lambda prefix: [], older_than_s=0).batches == 0
+    assert writer.sweep_abandoned(lambda prefix: [], older_than_s=0).batches == 0  # its own
+    assert all(writer.exists(key) for key in pending.keys)
+    writer.close()  # gone now, as a process that died; its marker is still young
+    assert sweeper.sweep_abandoned(lambda prefix: [], older_than_s=3600).batches == 0
+    assert len(markers(root)) == 1
+    swept = sweeper.sweep_abandoned(lambda prefix: [], older_than_s=0)
+    assert swept.batches == 1 and swept.bytes_deleted == 10
+    assert files(root) == [] and markers(root) == []
+
+
+def test_a_settled_batch_leaves_no_marker(tmp_path: Path) -> None:
+    root = tmp_path / "blobs"
+    store = LocalBlobStore(root, fsync=False)
+    store.put_many([(key, b"x") for key in keys(2)])  # written and settled at once
+    batch = store.batch([(key, b"y") for key in keys(2)])
+    batch.write()
+    assert len(markers(root)) == 1
+    batch.settle()
+    batch.settle()  # twice is fine
+    assert markers(root) == []

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from cloud_service.db.models import Agent, DeadLetter, Sample, Verdict
 from cloud_service.settings import CloudSettings
@@ -24,6 +24,7 @@ from shared.errors import TransportError
 from shared.messages import AgentStatus, Receipt, decode_verdicts, encode_message
 from shared.topics import Topics
 from tests.cloud_service.conftest import (
+    dead_blob_writer,
     image_bytes,
     make_envelope,
     make_header,
@@ -420,6 +421,8 @@ def test_redelivered_samples_leave_no_image_bytes_behind(
         images = {key: worker.blobs.get(key) for key in keys}
         assert worker.counts["stored"] == 12 and worker.counts["images_discarded"] == 15
         assert "edgeloop_ingest_images_discarded_total 15.0" in worker.metrics.render().decode()
+        writers = root / "packs" / ".writers"  # every batch settled: no pack left marked
+        assert [p.name for p in writers.glob("*/*")] == ["lock"]
     assert len(keys) == 12 and len(set(images.values())) == 12
     # Every pack left is one a row points at, and holds no byte but the rows' images:
     # the second copies were deleted (a pack of them alone is gone).
@@ -430,3 +433,37 @@ def test_redelivered_samples_leave_no_image_bytes_behind(
         ranges = deleted.read_text().split() if deleted.exists() else []
         freed = sum(int(r.split("-")[1]) for r in ranges)
         assert own + freed == path.stat().st_size
+
+
+def test_images_a_dead_verifier_left_unsettled_are_swept_of_what_no_row_points_at(
+    make_settings: Callable[..., CloudSettings], broker: Any, topics: Topics, database_url: str
+) -> None:
+    fleet, agent = "fleet-a", "cam-1"
+    with running_worker(make_settings, broker, topics, database_url) as worker:
+        pub = publisher(broker.url, broker.protocol)
+        envelopes = [make_envelope(fleet=fleet, agent=agent)[1] for _ in range(2)]
+        for envelope in envelopes:
+            pub.publish(topics.samples(fleet, agent), envelope, qos=1)
+        assert _wait(lambda: worker.counts["stored"] >= 2)
+        pub.loop_stop()
+        pub.disconnect()
+        root = worker.blobs.root  # type: ignore[attr-defined]
+        # Another verifier process wrote two batches' images and died before either
+        # settled: the first batch's rows had committed (one row here stands for
+        # them), the second's never did.
+        committed, lost = dead_blob_writer(root, [["aaaa", "bb", "cccccc"], ["dd", "ee"]])
+        with worker.sessions.begin() as session:
+            sample_id = session.scalars(select(Sample.sample_id).limit(1)).one()
+            session.execute(
+                update(Sample).where(Sample.sample_id == sample_id).values(image_key=committed[1])
+            )
+        left_alone = worker.recovery.sweep_abandoned_images()  # marked too recently
+        swept = worker.recovery.sweep_abandoned_images(older_than_s=0)
+        assert left_alone.batches == 0
+        assert (swept.batches, swept.bytes_kept, swept.bytes_deleted) == (2, 2, 4 + 6 + 2 + 2)
+        assert worker.blobs.get(committed[1]) == b"bb"
+        assert not any(worker.blobs.exists(k) for k in [committed[0], committed[2], *lost])
+        with worker.sessions() as session:  # the live worker's own images are untouched
+            keys = session.scalars(select(Sample.image_key)).all()
+        assert all(worker.blobs.exists(key) for key in keys)
+        assert "edgeloop_blob_abandoned_batches_total 2.0" in worker.metrics.render().decode()

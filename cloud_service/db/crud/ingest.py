@@ -28,6 +28,7 @@ __all__ = [
     "SampleKey",
     "colliding_sample_id",
     "get_verdicts",
+    "image_keys_under",
     "insert_dead_letters",
     "insert_samples",
     "insert_verdicts",
@@ -350,6 +351,16 @@ def pending_samples(
     if received_before is not None:
         stmt = stmt.where(Sample.received_at < received_before)
     stmt = stmt.order_by(Sample.sample_id).limit(limit)
+    return list(session.scalars(stmt).all())
+
+
+def image_keys_under(*, session: Session, prefix: str) -> list[str]:
+    """The image keys of samples that start with ``prefix`` (a blob pack's members).
+
+    No index covers it (each insert would pay for one): it scans, and only the sweep
+    of packs a dead verifier left unsettled asks it, a pack or two per crash.
+    """
+    stmt = select(Sample.image_key).where(Sample.image_key.startswith(prefix, autoescape=True))
     return list(session.scalars(stmt).all())
 
 
