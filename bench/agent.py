@@ -12,9 +12,11 @@ can differ where the raw loops tie):
 * raw ORT on the same JPEG frames (camera-like 320x240 frames; for the detector,
   scenes of the scenario it was trained on, at its input size, which it forwards
   at the rate a deployed detector would), decoding with the agent's own
-  ``decode_for_model`` on as many threads as the agent decodes with, and OpenCV's
-  own threads as the agent sets them (``opencv_threads``), overlapping inference
-  (the goal's baseline); for information, the same decode on one thread,
+  ``decode_for_model`` on as many threads as the agent decodes with, overlapping
+  inference, or, with several batches at once, by each inference thread for its own
+  batch, as the agent decodes uploads then (whichever runs faster), and OpenCV's own
+  threads as the agent sets them (``opencv_threads``) (the goal's baseline); for
+  information, the same decode on one thread,
   and the session alone on frames decoded beforehand (the ceiling);
 * the agent behind its HTTP API: ``edge-agent run`` in a subprocess, driven by a
   one-thread load generator in another process over keep-alive connections, so
@@ -93,6 +95,9 @@ class Layout:
 
     intra_op_threads: int  # 0: ORT's default, one per core
     inference_threads: int
+    # The raw loop only: each inference thread decodes its own batch's JPEGs (as the
+    # agent does with several), not decode threads ahead of it.
+    decode_inline: bool = False
 
     @property
     def clients(self) -> int:
@@ -103,7 +108,8 @@ class Layout:
     @property
     def label(self) -> str:
         intra = self.intra_op_threads or "one per core"
-        return f"{self.inference_threads} at once x {intra} intra-op"
+        inline = ", each decoding its own" if self.decode_inline else ""
+        return f"{self.inference_threads} at once x {intra} intra-op{inline}"
 
 
 CORES = os.cpu_count() or 1
@@ -115,6 +121,13 @@ LAYOUTS = tuple(
     for candidate in candidate_layouts(CORES, [MAX_BATCH])
 )
 DEFAULT_LAYOUT = LAYOUTS[0]
+# The raw JPEG loop's candidates: each layout with decode threads ahead of inference,
+# and, with several batches at once, each inference thread decoding its own batch.
+RAW_JPEG_LAYOUTS = LAYOUTS + tuple(
+    Layout(layout.intra_op_threads, layout.inference_threads, decode_inline=True)
+    for layout in LAYOUTS
+    if layout.inference_threads > 1
+)
 SPINNING = os.environ.get("BENCH_ORT_SPINNING", "0") == "1"  # the agent's ort_spinning
 DECODE_THREADS = 2  # the agent's http_decode_threads, and the baseline's decode threads
 # The agent's routing in each run: its defaults; off (nothing forwarded: no
@@ -282,13 +295,19 @@ def _timed(fn: Callable[[], object]) -> tuple[float, float]:
     return time.perf_counter() - start, time.process_time() - cpu
 
 
-def _infer_all(engine: Any, batches: Iterator[np.ndarray], threads: int) -> None:
+def _infer_all(
+    engine: Any,
+    batches: Iterator[Any],
+    threads: int,
+    prepare: Callable[[Any], np.ndarray] | None = None,
+) -> None:
     """Run every batch of ``batches`` on ``threads`` threads as the agent infers: one
     thread at a time takes the next batch, the others infer theirs meanwhile (one:
-    in order on this thread)."""
+    in order on this thread). With ``prepare``, the thread that took a batch makes it
+    (``prepare(item)``) before inferring it."""
     if threads == 1:
         for batch in batches:
-            engine.run(batch)
+            engine.run(batch if prepare is None else prepare(batch))
         return
     taking = threading.Lock()
 
@@ -298,7 +317,7 @@ def _infer_all(engine: Any, batches: Iterator[np.ndarray], threads: int) -> None
                 batch = next(batches, None)
             if batch is None:
                 return
-            engine.run(batch)
+            engine.run(batch if prepare is None else prepare(batch))
 
     runners = [threading.Thread(target=runner, name="raw-infer") for _ in range(threads)]
     for thread in runners:
@@ -312,8 +331,9 @@ def _raw_loops(
 ) -> dict[str, Callable[[], object]]:
     """Raw ORT loops on the same frames, with the same session options as the agent.
 
-    ``pipelined``: the agent's decode+resize on as many threads as the agent decodes
-    with, overlapping inference (the goal's baseline); ``serial``: decode then run,
+    ``raw_decode``, the goal's baseline: the agent's decode+resize on as many threads
+    as the agent decodes with, overlapping inference, or, in a layout that decodes
+    inline, by each inference thread for its own batch; ``serial``: decode then run,
     on one thread; ``tensors``: frames decoded beforehand (the ceiling).
     """
     engine = _engine(model, layout)
@@ -337,7 +357,20 @@ def _raw_loops(
         )
         _infer_all(engine, batches, layout.inference_threads)
 
-    return {"raw_decode": pipelined, "raw_decode_serial": serial, "raw": tensors_only}
+    def inline() -> None:
+        starts = iter(range(0, len(jpegs), MAX_BATCH))
+        _infer_all(
+            engine,
+            starts,
+            layout.inference_threads,
+            lambda i: np.stack([_decode(j, hw) for j in jpegs[i : i + MAX_BATCH]]),
+        )
+
+    return {
+        "raw_decode": inline if layout.decode_inline else pipelined,
+        "raw_decode_serial": serial,
+        "raw": tensors_only,
+    }
 
 
 def _write_config(
@@ -1159,9 +1192,12 @@ def _layout_figures(
         f"{section}_inference_threads": float(layout.inference_threads),
         f"{section}_intra_op_threads": float(layout.intra_op_threads),
     }
-    for other in LAYOUTS:
+    if section == "http":
+        figures[f"{section}_raw_decode_inline"] = float(layout.decode_inline)
+    for other in RAW_JPEG_LAYOUTS:
         if other.label in seconds:
             key = f"{section}_raw_fps_{other.inference_threads}x{other.intra_op_threads}"
+            key += "_inline" if other.decode_inline else ""
             figures[key] = n / seconds[other.label]
     return figures
 
@@ -1183,24 +1219,29 @@ def fastest_layout(
     *args: Any,
     loop: str,
     rounds: int = 3,
+    layouts: tuple[Layout, ...] = LAYOUTS,
 ) -> tuple[Layout, dict[str, float]]:
-    """The layout whose raw loop ``build(*args, layout)[loop]`` runs fastest, with each
-    layout's median seconds; the layouts alternate round by round after one warm-up
-    pass each. A ``BENCH_LAYOUT`` of "intra,threads" (say "1,2") names the layout."""
+    """The layout of ``layouts`` whose raw loop ``build(*args, layout)[loop]`` runs
+    fastest, with each layout's median seconds; the layouts alternate round by round
+    after one warm-up pass each. A ``BENCH_LAYOUT`` of "intra,threads" (say "1,2")
+    names the layout (its first candidate of ``layouts``)."""
     forced = os.environ.get("BENCH_LAYOUT")
     if forced:
         intra, threads = (int(x) for x in forced.split(","))
-        return Layout(intra, threads), {}
-    timed = {layout: build(*args, layout)[loop] for layout in LAYOUTS}
+        named = [
+            c for c in layouts if (c.intra_op_threads, c.inference_threads) == (intra, threads)
+        ]
+        return (named[0] if named else Layout(intra, threads)), {}
+    timed = {layout: build(*args, layout)[loop] for layout in layouts}
     for run_once in timed.values():
         run_once()
-    seconds: dict[Layout, list[float]] = {layout: [] for layout in LAYOUTS}
+    seconds: dict[Layout, list[float]] = {layout: [] for layout in layouts}
     for _ in range(rounds):
         for layout, run_once in timed.items():
             seconds[layout].append(_timed(run_once)[0])
     medians = {layout: statistics.median(s) for layout, s in seconds.items()}
     best = min(medians, key=lambda layout: medians[layout])
-    return best, {layout.label: medians[layout] for layout in LAYOUTS}
+    return best, {layout.label: medians[layout] for layout in layouts}
 
 
 def agent_layout(
@@ -1318,7 +1359,9 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
             clip = _video(workdir / f"clip-{index}.avi", jpegs[:64])
             shown = f"{label} ({task}, {side}px; {frames_shown})"
             served, served_fps = agent_layout(model, jpegs, seconds=tune_s)
-            http_layout, http_layouts = fastest_layout(_raw_loops, model, jpegs, loop="raw_decode")
+            http_layout, http_layouts = fastest_layout(
+                _raw_loops, model, jpegs, loop="raw_decode", layouts=RAW_JPEG_LAYOUTS
+            )
             http = _http(model, jpegs, repeats, workdir / "http", http_layout, served)
             result = {
                 **http,
@@ -1449,10 +1492,13 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
         " agent and the raw loops decode with edge_agent.imaging.decode_for_model (OpenCV;"
         " a JPEG >= 2x/4x the model input is decoded at 1/2 or 1/4 scale; resize; RGB);"
         " the raw loops in the ORT layout they ran fastest"
-        f" in of {' and '.join(layout.label for layout in LAYOUTS)} (three alternating"
-        " passes each before the rounds, shown; the rounds time the chosen one again), the"
-        " agent in the one `edge-agent tune` picks for it of the same two (its whole"
-        " pipeline in process, three alternating rounds each, shown): each side in its"
+        f" in of {'; '.join(layout.label for layout in RAW_JPEG_LAYOUTS)} (decode threads"
+        " ahead of inference unless each inference thread decodes its own batch; three"
+        " alternating passes each before the rounds, shown; the rounds time the chosen one"
+        " again), the agent in the one `edge-agent tune` picks for it of"
+        f" {' and '.join(layout.label for layout in LAYOUTS)} (its whole pipeline in"
+        " process, three alternating rounds each, shown; with several batches at once,"
+        " each inference thread decodes its own batch's uploads): each side in its"
         " fastest; agent"
         " routing at its defaults; RSS of `edge-agent run` after serving. Each round also sends one"
         " burst to a second `edge-agent run` with routing off (nothing forwarded) and one"

@@ -360,6 +360,25 @@ class Agent:
         """
         self.intake.answer_frame(frame, reply, source=source, block=block)
 
+    @property
+    def decodes_uploads_inline(self) -> bool:
+        return self.intake.decodes_uploads_inline
+
+    def check_upload(self, body: bytes) -> tuple[ImageInfo, bool]:
+        """An upload's limits, checked from its header: (info, decode isolated?)."""
+        return self.intake.check_upload(body)
+
+    def answer_checked_upload(
+        self, body: bytes, info: ImageInfo, reply: Reply, *, source: str, block: bool = True
+    ) -> None:
+        """Queue a checked upload, decoded by the inference thread that takes its batch."""
+        self.intake.answer_checked_upload(body, info, reply, source=source, block=block)
+
+    def answer_upload(self, body: bytes, reply: Reply, *, source: str, block: bool = True) -> None:
+        """Check, decode and queue an uploaded JPEG/PNG (decoded by the inference thread
+        that takes it where uploads are decoded there); raises ImageRejected."""
+        self.intake.answer_upload(body, reply, source=source, block=block)
+
     def process(self, rgb: np.ndarray, *, source: str, **kwargs: Any) -> FrameResult:
         """Answer one frame (blocking)."""
         return self.submit(rgb, source=source, **kwargs).result(self.settings.infer_timeout_s)

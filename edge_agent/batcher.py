@@ -35,7 +35,7 @@ from edge_agent.engine import Engine
 from shared.errors import EdgeLoopError, ModelError
 from shared.lifecycle import Workers
 
-__all__ = ["BatchHandler", "BatchResult", "JobBatch", "MicroBatcher", "WorkerPool"]
+__all__ = ["BatchHandler", "BatchResult", "DeferredFrame", "JobBatch", "MicroBatcher", "WorkerPool"]
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,19 @@ class JobBatch:
         self.error = error
 
 
+class DeferredFrame:
+    """A frame prepared by the inference thread that takes it: ``make(input_hw)`` returns
+    the uint8 [h, w, 3] tensor (an upload decoded there, not on a thread of its own)."""
+
+    __slots__ = ("make",)
+
+    def __init__(self, make: Callable[[tuple[int, int]], np.ndarray]) -> None:
+        self.make = make
+
+
 BatchHandler = Callable[[JobBatch], None]
-_Item = tuple[np.ndarray, Any]  # (frame, Future[BatchResult] or a job for on_batch)
+# (frame or a DeferredFrame, Future[BatchResult] or a job for on_batch)
+_Item = tuple[Any, Any]
 
 
 class _FrameQueue:
@@ -244,7 +255,12 @@ class MicroBatcher:
         return future
 
     def submit_job(
-        self, frame: np.ndarray, job: Any, *, block: bool = True, timeout: float = 5.0
+        self,
+        frame: np.ndarray | DeferredFrame,
+        job: Any,
+        *,
+        block: bool = True,
+        timeout: float = 5.0,
     ) -> None:
         """Queue one uint8 [H, W, 3] frame; ``job`` reaches ``on_batch`` with its scores.
 
@@ -277,8 +293,13 @@ class MicroBatcher:
         if not live:
             return
         engine = self._engine
+        frames = [f for f, _ in live]
+        if any(type(f) is DeferredFrame for f in frames):
+            live, frames = self._prepare(live, engine)
+            if not live:
+                return
         try:
-            scores = engine.run(np.stack([f for f, _ in live]))
+            scores = engine.run(np.stack(frames))
         except EdgeLoopError as exc:
             self._fail(live, exc, engine)
             return
@@ -301,6 +322,23 @@ class MicroBatcher:
         if jobs:
             job_scores = scores if len(rows) == size else scores[rows]
             self._deliver(JobBatch(jobs, job_scores, engine, size))
+
+    def _prepare(self, live: list[_Item], engine: Engine) -> tuple[list[_Item], list[np.ndarray]]:
+        """The batch's deferred frames made here; one that fails is answered alone."""
+        kept: list[_Item] = []
+        frames: list[np.ndarray] = []
+        hw = engine.input_hw
+        for item in live:
+            frame = item[0]
+            if type(frame) is DeferredFrame:
+                try:
+                    frame = frame.make(hw)
+                except Exception as exc:
+                    self._fail([item], exc, engine)
+                    continue
+            kept.append(item)
+            frames.append(frame)
+        return kept, frames
 
     def _fail(self, items: list[_Item], error: BaseException, engine: Engine | None = None) -> None:
         jobs = []

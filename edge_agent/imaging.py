@@ -45,9 +45,11 @@ __all__ = [
     "ImageRejected",
     "ModelFrame",
     "check_upload",
+    "check_upload_cost",
     "decode_for_model",
     "decode_image",
     "encode_for_upload",
+    "model_tensor",
     "opencv_threads",
     "prepare_bgr",
     "reduction_flag",
@@ -100,6 +102,13 @@ class ModelFrame:
 def check_upload(data: bytes, *, max_bytes: int, max_pixels: int) -> ImageInfo:
     """The limits, from the byte count and the header alone; raise ImageRejected when over."""
     return _check(data, max_bytes=max_bytes, max_pixels=max_pixels)[0]
+
+
+def check_upload_cost(
+    data: bytes, *, max_bytes: int, max_pixels: int
+) -> tuple[ImageInfo, DecodeCost]:
+    """``check_upload``, with what decoding it costs (``DecodePool.isolates`` reads it)."""
+    return _check(data, max_bytes=max_bytes, max_pixels=max_pixels)
 
 
 def _check(data: bytes, *, max_bytes: int, max_pixels: int) -> tuple[ImageInfo, DecodeCost]:
@@ -206,12 +215,12 @@ def decode_for_model(
     """
     info, cost = _check(data, max_bytes=max_bytes, max_pixels=max_pixels)
     if pool is not None and pool.isolates(cost):
-        return ModelFrame(_isolated(pool, _model_tensor, data, info, hw), info, data)
-    return ModelFrame(_model_tensor(data, info, hw), info, data)
+        return ModelFrame(_isolated(pool, model_tensor, data, info, hw), info, data)
+    return ModelFrame(model_tensor(data, info, hw), info, data)
 
 
-def _model_tensor(data: bytes, info: ImageInfo, hw: tuple[int, int]) -> np.ndarray:
-    """Decode a checked JPEG or PNG straight to the model's RGB input."""
+def model_tensor(data: bytes, info: ImageInfo, hw: tuple[int, int]) -> np.ndarray:
+    """Decode a checked JPEG or PNG (``check_upload``) straight to the model's RGB input."""
     try:
         bgr = cv2.imdecode(np.frombuffer(data, np.uint8), reduction_flag(info, hw))
     except cv2.error:

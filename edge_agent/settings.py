@@ -219,7 +219,11 @@ class AgentSettings(EdgeLoopSettings):
     # Sources and results.
     http_max_fps: float | None = Field(default=None, gt=0, description="None: unlimited")
     http_decode_threads: int = Field(
-        default=2, ge=1, le=64, description="threads decoding uploads beside inference"
+        default=2,
+        ge=1,
+        le=64,
+        description="threads decoding uploads beside inference (with several inference"
+        " threads, each decodes its own batch's uploads, and these only isolated ones)",
     )
     cameras: list[CameraSource] = Field(default_factory=list)
     folders: list[FolderSource] = Field(default_factory=list)

@@ -7,7 +7,7 @@ alone does not pick it: the agent decodes, routes, answers and forwards around e
 batch, and its per-batch work outweighed ORT's gain from smaller batches on the
 reference detector. So each candidate runs the whole agent in this process, on the
 user's model and frames, the way they reach it: images (a folder) are decoded at
-the model's size as uploads are (on ``http_decode_threads`` threads); a video file
+the model's size as uploads are (fed by ``http_decode_threads`` threads); a video file
 is read by a camera source, as ``edge-agent run`` reads a camera (a Motion JPEG
 clip as its JPEGs). Frames are then batched, inferred, routed with the user's
 policy, forwarded samples spooled (in a scratch folder) and receipted as the cloud
@@ -264,7 +264,7 @@ def _window(
                 continue
             body = frames[next(order)]
             try:
-                agent.answer_frame(agent.decode_for_model(body), reply, source="tune")
+                agent.answer_upload(body, reply, source="tune")
             except (EdgeLoopError, queue.Full) as exc:  # counted; the others go on
                 reply(None, exc)
 

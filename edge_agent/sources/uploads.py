@@ -6,11 +6,15 @@
 written in one piece); any other upload (a chunked body, say) reaches
 ``post_frame`` (a raw JPEG/PNG body, read without FastAPI's stack) or the FastAPI
 route (multipart). Either way ``Frames`` holds the limits, the rate limit and
-the refusals, and one job on its decode pool checks, decodes (OpenCV, GIL
-released, so decoding overlaps inference) and queues the frame for the
-micro-batcher; the answers come back to the event loop as ready-made JSON bytes
-through ``_Outbox``, with one cross-thread wake-up for all the answers of a
-batch, and one timer for the timeouts of all waiting uploads.
+the refusals. Where several inference threads infer at once, the event loop checks
+an upload's header and queues its bytes for the micro-batcher, and the inference
+thread that takes the batch decodes its frames (OpenCV, GIL released) before
+inferring them: no hand-over per frame, and a thread busy either way. Otherwise,
+and for an image whose decode is isolated (``DecodePool``), one job on the decode
+pool checks, decodes (overlapping inference) and queues the frame. The answers come
+back to the event loop as ready-made JSON bytes through ``_Outbox``, with one
+cross-thread wake-up for all the answers of a batch, and one timer for the timeouts
+of all waiting uploads.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from shared.http_server import RawResponder
 
 if TYPE_CHECKING:
     from edge_agent.agent import Agent
-    from edge_agent.intake import FrameResult
+    from edge_agent.intake import FrameResult, Reply
 
 __all__ = [
     "ACCEPTED_TYPES",
@@ -99,6 +103,7 @@ class Frames:
         self.max_fps = settings.http_max_fps
         self.limiter = RateLimiter(self.max_fps) if self.max_fps else None
         self.pool = WorkerPool(settings.http_decode_threads, name="http-decode")
+        self.inline = agent.decodes_uploads_inline
         self._outboxes: dict[asyncio.AbstractEventLoop, _Outbox] = {}
         self._outboxes_lock = threading.Lock()
 
@@ -146,6 +151,16 @@ class Frames:
         """``answer`` into ``waiter`` (raises RuntimeError once the decode pool is shut down)."""
         outbox = self._outbox(loop)
         outbox.watch(waiter, self.timeout_s)
+        if self.inline:  # queued undecoded, never blocking the loop (a full queue: 503)
+            try:
+                info, isolated = self.agent.check_upload(body)
+                if not isolated:
+                    reply = self._reply(outbox, waiter)
+                    self.agent.answer_checked_upload(body, info, reply, source=SOURCE, block=False)
+                    return
+            except BaseException as exc:
+                outbox.put(waiter, None, exc)
+                return
         self.pool.submit(self._decode_and_queue, body, outbox, waiter)
 
     def _outbox(self, loop: asyncio.AbstractEventLoop) -> _Outbox:
@@ -161,6 +176,15 @@ class Frames:
 
     def _decode_and_queue(self, body: bytes, outbox: _Outbox, waiter: _Waiter) -> None:
         # On a decode thread: decoding releases the GIL, so several run beside inference.
+        reply = self._reply(outbox, waiter)
+        try:
+            frame = self.agent.decode_for_model(body)
+            self.agent.answer_frame(frame, reply, source=SOURCE)
+        except BaseException as exc:
+            outbox.put(waiter, None, exc)
+
+    @staticmethod
+    def _reply(outbox: _Outbox, waiter: _Waiter) -> Reply:
         def reply(result: FrameResult | None, error: BaseException | None) -> None:
             # On an agent thread, for a whole batch in a row: the JSON is made here, off
             # the event loop, and the outbox wakes the loop once for the lot. orjson: a
@@ -175,11 +199,7 @@ class Frames:
                     error = exc
             outbox.put(waiter, None, error)
 
-        try:
-            frame = self.agent.decode_for_model(body)
-            self.agent.answer_frame(frame, reply, source=SOURCE)
-        except BaseException as exc:
-            outbox.put(waiter, None, exc)
+        return reply
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)

@@ -14,7 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from edge_agent.batcher import JobBatch, MicroBatcher
+from edge_agent.batcher import DeferredFrame, JobBatch, MicroBatcher
+from edge_agent.imaging import ImageRejected
 from shared.errors import ModelError
 from tests.clocks import FakeClock
 
@@ -160,6 +161,35 @@ def test_jobs_reach_the_handler_a_batch_at_a_time_with_their_own_rows() -> None:
         names, firsts, size, error = call
         assert error is None and size == 4
         assert firsts == pytest.approx([int(str(n)[4:]) * 10 / 255 for n in names])
+
+
+def test_deferred_frames_are_made_by_the_inference_thread_and_a_failed_one_alone() -> None:
+    jobs = _Jobs()
+    jobs.expected = 4
+    engine = RecordingEngine()
+    clock = FakeClock()  # never moves: the batch goes when full
+    made: list[tuple[tuple[int, int], str]] = []
+
+    def deferred(value: int) -> DeferredFrame:
+        def make(hw: tuple[int, int]) -> np.ndarray:
+            made.append((hw, threading.current_thread().name))
+            if value == 20:
+                raise ImageRejected("not an image", reason="undecodable")
+            return np.full((*hw, 3), value, dtype=np.uint8)
+
+        return DeferredFrame(make)
+
+    with MicroBatcher(engine, max_batch=4, max_wait_s=WAIT_S, on_batch=jobs, clock=clock) as b:
+        b.submit_job(frame(0), "job-0")  # a frame made beforehand rides along
+        for v in (10, 20, 30):
+            b.submit_job(deferred(v), f"job-{v}")
+        assert jobs.done.wait(SAFETY_NET_S)
+    assert made == [((4, 4), "inference-loop")] * 3  # at the engine's size, on its thread
+    assert engine.sizes == [3]  # the failed frame is not inferred
+    failed, inferred = jobs.calls
+    assert failed[0] == ["job-20"] and isinstance(failed[3], ImageRejected)
+    assert inferred[0] == ["job-0", "job-10", "job-30"] and inferred[3] is None
+    assert inferred[1] == pytest.approx([0.0, 10 / 255, 30 / 255])
 
 
 def test_a_failed_batch_and_a_stop_answer_every_job_with_the_error() -> None:

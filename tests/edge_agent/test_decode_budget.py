@@ -90,7 +90,7 @@ def test_a_decoder_crash_refuses_the_frame_with_422_and_the_agent_heals(
     ):
         # The worker runs the decoder the agent names: one that segfaults, as a decoder bug would.
         with monkeypatch.context() as patch:
-            patch.setattr(imaging, "_model_tensor", decoders.crash)
+            patch.setattr(imaging, "model_tensor", decoders.crash)
             response = client.post("/v1/frames", content=progressive_jpeg(), headers=JPEG)
         assert response.status_code == 422, response.text
         assert response.json()["reason"] == "image_decode_failed"

@@ -136,10 +136,16 @@ def test_rate_limit_answers_429_with_retry_after(
     assert frames == 1  # refused uploads never reach the model
 
 
+@pytest.mark.parametrize("inference_threads", [1, 2])  # decoded on decode threads, or inline
 def test_concurrent_uploads_are_batched_and_each_gets_its_own_answer(
-    make_settings: Callable[..., AgentSettings], engine: object
+    make_settings: Callable[..., AgentSettings], engine: object, inference_threads: int
 ) -> None:
-    settings = make_settings(max_batch=8, max_wait_ms=20.0, route_max_prob_below=None)
+    settings = make_settings(
+        max_batch=8,
+        max_wait_ms=20.0,
+        route_max_prob_below=None,
+        inference_threads=inference_threads,
+    )
     # Each upload a flat colour: the answer must be the one for its own frame.
     colours = [(i * 30 % 256, 255 - i * 20 % 256, i * 50 % 256) for i in range(24)]
     uploads = []
@@ -168,6 +174,43 @@ def test_concurrent_uploads_are_batched_and_each_gets_its_own_answer(
     assert batches < len(uploads)  # several frames shared a batch
     for got, want in zip(answers, expected, strict=True):
         assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_bad_uploads_decoded_inline_are_refused_alone(
+    make_settings: Callable[..., AgentSettings], engine: object
+) -> None:
+    # Two inference threads: uploads are checked on the event loop and queued undecoded,
+    # each decoded by the thread that takes its batch. A bad one fails alone, with its
+    # reason: refused by the check (no image data), or by the decode (cut short).
+    settings = make_settings(max_batch=4, max_wait_ms=20.0, inference_threads=2)
+    good = [_photo(48, 48) for _ in range(3)]
+    photo = _photo(48, 48)
+    no_data = photo[:200] + bytes(len(photo) - 200)  # a sound header, then zeros
+    cut_short = photo[: len(photo) // 2]
+    with (
+        Agent(settings, engine=engine, publisher=MemoryPublisher()) as agent,  # type: ignore[arg-type]
+        ApiServer(create_app(agent)) as server,
+        httpx.Client(base_url=server.url, limits=httpx.Limits(max_connections=5)) as client,
+    ):
+        assert agent.decodes_uploads_inline
+
+        def post(data: bytes) -> httpx.Response:
+            return client.post("/v1/frames", content=data, headers={"Content-Type": "image/jpeg"})
+
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            answers = list(pool.map(post, [*good, no_data, cut_short]))
+        with pytest.raises(ImageRejected) as decoded_first:  # as the decode threads refuse it
+            agent.decode_for_model(cut_short)
+        reasons = ["not_image", decoded_first.value.reason]
+        bad_input = agent.telemetry.bad_input
+        refused = [bad_input.labels("http", r)._value.get() for r in reasons]
+        names = {t.name for t in threading.enumerate()}
+    assert [a.status_code for a in answers] == [200, 200, 200, 400, 400]
+    assert [a.json()["reason"] for a in answers[3:]] == reasons
+    assert all("image/jpeg" in a.json()["accepted"] for a in answers[3:])
+    assert all(a.json()["scores"] for a in answers[:3])
+    assert refused == [1, 1]
+    assert "http-decode-0" in names  # still there, for images whose decode is isolated
 
 
 def test_chunked_uploads_are_read_and_bounded(
