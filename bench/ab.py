@@ -28,7 +28,8 @@ come from here; the goals come from ``make bench``.
   is instead one side's agent reading the bench's clip with a camera source for a
   window (``bench.agent``'s video window, in a process of the side's checkout), the
   stand-in cloud in that process. A side's ``EDGELOOP_INFERENCE_THREADS`` and
-  ``EDGELOOP_INTRA_OP_THREADS`` win over ``--layout`` on either source.
+  ``EDGELOOP_INTRA_OP_THREADS`` (and ``EDGELOOP_PIN_INFERENCE_THREADS``) win over
+  ``--layout`` on either source.
 """
 
 from __future__ import annotations
@@ -321,13 +322,14 @@ _VIDEO_WINDOW = """
 import json, os, sys
 from pathlib import Path
 from bench import agent as B
-model, clip, window, routing, intra, at_once = sys.argv[1:7]
+model, clip, window, routing, intra, at_once, pinned = sys.argv[1:8]
 # A side's own layout settings win, as they do over the HTTP agent's config file.
 intra = os.environ.get("EDGELOOP_INTRA_OP_THREADS", intra)
 at_once = os.environ.get("EDGELOOP_INFERENCE_THREADS", at_once)
+pinned = os.environ.get("EDGELOOP_PIN_INFERENCE_THREADS", pinned).lower() in ("1", "true")
 figures = B._video_window(
     Path(model), Path(clip), float(window), routing=routing,
-    layout=B.Layout(int(intra), int(at_once)),
+    layout=B.Layout(int(intra), int(at_once), pinned),
 )
 print(json.dumps(figures))
 """
@@ -354,6 +356,7 @@ def video(
                 _VIDEO_WINDOW,
                 *(str(x) for x in (model, clip, 3.0, routing)),
                 *(str(x) for x in (layout.intra_op_threads, layout.inference_threads)),
+                str(layout.pinned).lower(),
             ]
             done = subprocess.run(
                 command,
@@ -381,13 +384,17 @@ def video(
 
 
 def _layout(text: str) -> Any:
-    """``INTRA,THREADS`` as the bench's Layout; empty: a batch per core."""
+    """``INTRA,THREADS[,pinned]`` as the bench's Layout; empty: a batch per core, the
+    threads free to move."""
     from bench import agent as bench_agent
 
     if not text:
-        return bench_agent.LAYOUTS[-1]
-    intra, at_once = (int(x) for x in text.split(","))
-    return bench_agent.Layout(intra, at_once)
+        free = [c for c in bench_agent.LAYOUTS if not c.pinned]
+        return free[-1]
+    intra, at_once, *rest = text.split(",")
+    if rest not in ([], ["pinned"]):
+        raise ValueError(f"expected INTRA,THREADS[,pinned], got {text!r}")
+    return bench_agent.Layout(int(intra), int(at_once), pinned=bool(rest))
 
 
 def _thread_table(
@@ -438,9 +445,9 @@ def main(argv: list[str] | None = None) -> None:
             sub.add_argument(
                 "--layout",
                 default="",
-                metavar="INTRA,THREADS",
-                help="ORT intra-op threads (0: one per core) and inference threads;"
-                " default 1,<cores>: a batch per core",
+                metavar="INTRA,THREADS[,pinned]",
+                help="ORT intra-op threads (0: one per core) and inference threads, each"
+                " pinned to a core with ',pinned'; default 1,<cores>: a batch per core",
             )
             sub.add_argument(
                 "--source",

@@ -95,6 +95,7 @@ class Layout:
 
     intra_op_threads: int  # 0: ORT's default, one per core
     inference_threads: int
+    pinned: bool = False  # each inference thread on a core of its own
     # The raw loop only: each inference thread decodes its own batch's JPEGs (as the
     # agent does with several), not decode threads ahead of it.
     decode_inline: bool = False
@@ -108,23 +109,25 @@ class Layout:
     @property
     def label(self) -> str:
         intra = self.intra_op_threads or "one per core"
+        pinned = ", pinned" if self.pinned else ""
         inline = ", each decoding its own" if self.decode_inline else ""
-        return f"{self.inference_threads} at once x {intra} intra-op{inline}"
+        return f"{self.inference_threads} at once{pinned} x {intra} intra-op{inline}"
 
 
 CORES = os.cpu_count() or 1
 # One batch at a time on every core (ORT's parallel operators), or a batch per core,
-# each on one thread (no hand-offs inside an operator). Which is faster depends on the
-# model: each model is measured in the layout its raw loop runs fastest in.
+# each on one thread (no hand-offs inside an operator), free to move or each pinned to
+# its core. Which is faster depends on the model: each model is measured in the layout
+# its raw loop runs fastest in.
 LAYOUTS = tuple(
-    Layout(candidate.intra_op_threads, candidate.inference_threads)
+    Layout(candidate.intra_op_threads, candidate.inference_threads, candidate.pinned)
     for candidate in candidate_layouts(CORES, [MAX_BATCH])
 )
 DEFAULT_LAYOUT = LAYOUTS[0]
 # The raw JPEG loop's candidates: each layout with decode threads ahead of inference,
 # and, with several batches at once, each inference thread decoding its own batch.
 RAW_JPEG_LAYOUTS = LAYOUTS + tuple(
-    Layout(layout.intra_op_threads, layout.inference_threads, decode_inline=True)
+    Layout(layout.intra_op_threads, layout.inference_threads, layout.pinned, decode_inline=True)
     for layout in LAYOUTS
     if layout.inference_threads > 1
 )
@@ -298,20 +301,26 @@ def _timed(fn: Callable[[], object]) -> tuple[float, float]:
 def _infer_all(
     engine: Any,
     batches: Iterator[Any],
-    threads: int,
+    layout: Layout,
     prepare: Callable[[Any], np.ndarray] | None = None,
 ) -> None:
-    """Run every batch of ``batches`` on ``threads`` threads as the agent infers: one
-    thread at a time takes the next batch, the others infer theirs meanwhile (one:
-    in order on this thread). With ``prepare``, the thread that took a batch makes it
+    """Run every batch of ``batches`` on ``layout``'s inference threads as the agent
+    infers: one thread at a time takes the next batch, the others infer theirs
+    meanwhile (one: in order on this thread), each pinned to a core of its own where
+    the layout pins them. With ``prepare``, the thread that took a batch makes it
     (``prepare(item)``) before inferring it."""
+    from edge_agent.batcher import pin_to_core
+
+    threads = layout.inference_threads
     if threads == 1:
         for batch in batches:
             engine.run(batch if prepare is None else prepare(batch))
         return
     taking = threading.Lock()
 
-    def runner() -> None:
+    def runner(index: int) -> None:
+        if layout.pinned:
+            pin_to_core(index)
         while True:
             with taking:
                 batch = next(batches, None)
@@ -319,7 +328,7 @@ def _infer_all(
                 return
             engine.run(batch if prepare is None else prepare(batch))
 
-    runners = [threading.Thread(target=runner, name="raw-infer") for _ in range(threads)]
+    runners = [threading.Thread(target=runner, args=(i,), name="raw-infer") for i in range(threads)]
     for thread in runners:
         thread.start()
     for thread in runners:
@@ -355,14 +364,14 @@ def _raw_loops(
             np.stack([f.result() for f in decoded[i : i + MAX_BATCH]])
             for i in range(0, len(jpegs), MAX_BATCH)
         )
-        _infer_all(engine, batches, layout.inference_threads)
+        _infer_all(engine, batches, layout)
 
     def inline() -> None:
         starts = iter(range(0, len(jpegs), MAX_BATCH))
         _infer_all(
             engine,
             starts,
-            layout.inference_threads,
+            layout,
             lambda i: np.stack([_decode(j, hw) for j in jpegs[i : i + MAX_BATCH]]),
         )
 
@@ -386,6 +395,7 @@ def _write_config(
         f"max_batch = {MAX_BATCH}\nmax_wait_ms = 2.0\nheartbeat_s = 5.0\n"
         f"intra_op_threads = {layout.intra_op_threads}\n"
         f"inference_threads = {layout.inference_threads}\n"
+        f"pin_inference_threads = {str(layout.pinned).lower()}\n"
         f"http_decode_threads = {DECODE_THREADS}\n"
         f"ort_spinning = {str(SPINNING).lower()}\n"
         'log_level = "WARNING"\n'
@@ -1018,6 +1028,7 @@ def _video_window(
             max_wait_ms=2.0,
             intra_op_threads=layout.intra_op_threads,
             inference_threads=layout.inference_threads,
+            pin_inference_threads=layout.pinned,
             ort_spinning=SPINNING,
             cameras=[CameraSource(name="video", uri=str(video), max_fps=10_000.0)],
             **ROUTING[routing],
@@ -1117,7 +1128,7 @@ def _raw_video_loops(
 
             thread = threading.Thread(target=reader, name="raw-read")
             thread.start()
-            _infer_all(engine, _batches_of(prepared), layout.inference_threads)
+            _infer_all(engine, _batches_of(prepared), layout)
             thread.join()
         capture.release()
 
@@ -1192,11 +1203,13 @@ def _layout_figures(
         f"{section}_inference_threads": float(layout.inference_threads),
         f"{section}_intra_op_threads": float(layout.intra_op_threads),
     }
+    figures[f"{section}_pinned"] = float(layout.pinned)
     if section == "http":
         figures[f"{section}_raw_decode_inline"] = float(layout.decode_inline)
     for other in RAW_JPEG_LAYOUTS:
         if other.label in seconds:
             key = f"{section}_raw_fps_{other.inference_threads}x{other.intra_op_threads}"
+            key += "_pinned" if other.pinned else ""
             key += "_inline" if other.decode_inline else ""
             figures[key] = n / seconds[other.label]
     return figures
@@ -1279,11 +1292,13 @@ def agent_layout(
             rounds=rounds,
         )
     fps = {
-        Layout(t.layout.intra_op_threads, t.layout.inference_threads).label: t.frames_per_s
+        Layout(t.layout.intra_op_threads, t.layout.inference_threads, t.layout.pinned).label: (
+            t.frames_per_s
+        )
         for t in trials
     }
     best = trials[0].layout
-    return Layout(best.intra_op_threads, best.inference_threads), fps
+    return Layout(best.intra_op_threads, best.inference_threads, best.pinned), fps
 
 
 CAMERA_SIZES = ((320, 240), (640, 480), (1280, 720), (1920, 1080))

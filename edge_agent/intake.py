@@ -220,6 +220,7 @@ class Intake:
             max_wait_s=s.max_wait_ms / 1000.0,
             on_batch=self._on_batch,
             threads=s.inference_threads,
+            pin=s.pin_inference_threads,
         ).start()
         self._post = WorkerPool(2, name="agent-post")
         return self

@@ -122,6 +122,12 @@ class AgentSettings(EdgeLoopSettings):
         description="batches inferred at once, each on its own thread (with intra_op_threads"
         " 1: one core each, no intra-op hand-offs)",
     )
+    pin_inference_threads: bool = Field(
+        default=False,
+        description="with several inference threads, each on a core of its own (the"
+        " process's cores in turn), so the kernel never queues two on one core while"
+        " another idles; `edge-agent tune` tries both",
+    )
     ort_spinning: bool = Field(
         default=False,
         description="ORT threads spin between batches (off: they sleep, leaving the cores"

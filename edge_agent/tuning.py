@@ -61,17 +61,23 @@ class Layout:
     intra_op_threads: int  # 0: ORT's default, one per core
     inference_threads: int
     max_batch: int
+    pinned: bool = False  # each inference thread on a core of its own
 
     @property
     def label(self) -> str:
         intra = self.intra_op_threads or "one per core"
-        return f"{self.inference_threads} at once x {intra} intra-op, batches of {self.max_batch}"
+        pinned = ", pinned" if self.pinned else ""
+        return (
+            f"{self.inference_threads} at once{pinned} x {intra} intra-op,"
+            f" batches of {self.max_batch}"
+        )
 
-    def settings(self) -> dict[str, int]:
+    def settings(self) -> dict[str, int | bool]:
         return {
             "intra_op_threads": self.intra_op_threads,
             "inference_threads": self.inference_threads,
             "max_batch": self.max_batch,
+            "pin_inference_threads": self.pinned,
         }
 
 
@@ -101,12 +107,13 @@ class Trial:
 
 def candidate_layouts(cores: int, max_batches: Sequence[int]) -> list[Layout]:
     """One batch at a time on every core, and (with several cores) a batch per core on
-    one thread each; at each of ``max_batches``."""
+    one thread each, free to move or each pinned to its core; at each of ``max_batches``."""
     layouts: list[Layout] = []
     for batch in dict.fromkeys(max_batches):
         layouts.append(Layout(0, 1, batch))
         if cores > 1:
             layouts.append(Layout(1, cores, batch))
+            layouts.append(Layout(1, cores, batch, pinned=True))
     return layouts
 
 

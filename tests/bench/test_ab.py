@@ -76,4 +76,6 @@ def test_a_layout_is_named_as_intra_op_and_inference_threads() -> None:
     from bench.agent import LAYOUTS, Layout
 
     assert _layout("0,1") == Layout(0, 1)
-    assert _layout("") == LAYOUTS[-1]  # a batch per core unless named
+    assert _layout("1,2,pinned") == Layout(1, 2, pinned=True)
+    free = [layout for layout in LAYOUTS if not layout.pinned]
+    assert _layout("") == free[-1]  # a batch per core, free to move, unless named

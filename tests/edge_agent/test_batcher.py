@@ -7,6 +7,7 @@ its wait. No assertion depends on how fast this machine is.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -249,9 +250,12 @@ class GatedEngine(RecordingEngine):
         self._inflight = inflight
         self._running = 0
         self._lock = threading.Lock()
+        self.affinities: list[set[int]] = []  # the cores each batch's thread may run on
 
     def run(self, frames: np.ndarray) -> np.ndarray:
         with self._lock:
+            if hasattr(os, "sched_getaffinity"):
+                self.affinities.append(os.sched_getaffinity(threading.get_native_id()))
             self._running += 1
             if self._running == self._inflight:
                 self.all_running.set()
@@ -276,6 +280,26 @@ def test_inference_threads_infer_batches_at_once_and_answer_every_frame() -> Non
     assert engine.sizes == [4, 4]
     assert batcher.batches == 2 and batcher.frames == 8
     assert names == ["inference-loop", "inference-loop-1"]
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="pinning needs Linux and two cores",
+)
+def test_pinned_inference_threads_each_run_on_a_core_of_their_own() -> None:
+    engine = GatedEngine(inflight=2)
+    cores = sorted(os.sched_getaffinity(0))
+    with MicroBatcher(
+        engine, max_batch=4, max_wait_s=WAIT_S, clock=FakeClock(), threads=2, pin=True
+    ) as batcher:
+        futures = [batcher.submit(frame(v)) for v in range(8)]
+        assert engine.all_running.wait(SAFETY_NET_S)
+        engine.release.set()
+        for future in futures:
+            future.result(SAFETY_NET_S)
+    assert sorted(c for c in batcher.cores if c is not None) == cores[:2]
+    assert sorted(engine.affinities) == [{cores[0]}, {cores[1]}]
+    assert os.sched_getaffinity(0) == set(cores)  # the rest of the process is not pinned
 
 
 def test_inference_threads_must_be_at_least_one() -> None:

@@ -40,9 +40,14 @@ def _frames_folder(root: Path, count: int = 6) -> Path:
     return root
 
 
-def test_candidates_are_one_batch_at_a_time_and_a_batch_per_core() -> None:
-    assert candidate_layouts(4, [8]) == [Layout(0, 1, 8), Layout(1, 4, 8)]
+def test_candidates_are_one_batch_at_a_time_and_a_batch_per_core_free_or_pinned() -> None:
+    assert candidate_layouts(4, [8]) == [
+        Layout(0, 1, 8),
+        Layout(1, 4, 8),
+        Layout(1, 4, 8, pinned=True),
+    ]
     assert candidate_layouts(1, [4, 8, 4]) == [Layout(0, 1, 4), Layout(0, 1, 8)]
+    assert Layout(1, 4, 8, pinned=True).settings()["pin_inference_threads"] is True
 
 
 def _clip(path: Path, frames: int = 5) -> Path:
@@ -189,9 +194,8 @@ def test_cli_prints_the_fastest_layout_and_writes_it(
     report = json.loads(result.output)
     assert {t["max_batch"] for t in report["trials"]} == {2, 4}
     assert all(t["frames_per_s"] > 0 and t["errors"] == 0 for t in report["trials"])
-    assert report["best"] == {
-        k: report["trials"][0][k] for k in ("intra_op_threads", "inference_threads", "max_batch")
-    }
+    keys = ("intra_op_threads", "inference_threads", "max_batch", "pin_inference_threads")
+    assert report["best"] == {k: report["trials"][0][k] for k in keys}
     assert report["written"] == str(config)
     saved = tomllib.loads(config.read_text())
     assert {k: saved[k] for k in report["best"]} == report["best"]
