@@ -6,22 +6,25 @@ one thread (``inference_threads``), and how many frames make a batch. ORT's spee
 alone does not pick it: the agent decodes, routes, answers and forwards around every
 batch, and its per-batch work outweighed ORT's gain from smaller batches on the
 reference detector. So each candidate runs the whole agent in this process, on the
-user's model and frames, the way they reach it: images (a folder) are decoded at
-the model's size as uploads are (fed by ``http_decode_threads`` threads); a video file
-is read by a camera source, as ``edge-agent run`` reads a camera (a Motion JPEG
-clip as its JPEGs). Frames are then batched, inferred, routed with the user's
-policy, forwarded samples spooled (in a scratch folder) and receipted as the cloud
-would (no verdicts: no teacher runs here). The two paths can favour different
-layouts on the same model. The candidates alternate round by round, so a noisy
+user's model and frames, the way they reach it: images (a folder) are POSTed to the
+agent's own HTTP API by clients in a process of their own, over keep-alive
+connections (a batch's worth for each batch inferred at once, and one queued), as
+uploads arrive (threads that serve HTTP change which layout wins: the reference
+detector's inference threads gained from being pinned behind HTTP and not with frames
+fed in process); a video file is read by a camera source, as ``edge-agent run``
+reads a camera (a Motion JPEG clip as its JPEGs). Frames are then batched, inferred,
+routed with the user's policy, forwarded samples spooled (in a scratch folder) and
+receipted as the cloud would (no verdicts: no teacher runs here). The two paths can
+favour different layouts on the same model. The candidates alternate round by round, so a noisy
 device slows them alike, and each one's medians are kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
-import queue
 import statistics
 import tempfile
 import threading
@@ -30,12 +33,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from edge_agent.imaging import ACCEPTED
 from edge_agent.settings import AgentSettings
-from shared.errors import ConfigError, EdgeLoopError
+from shared.errors import ConfigError
 
 __all__ = [
     "Layout",
@@ -237,62 +241,145 @@ def _tuned_settings(settings: AgentSettings, layout: Layout, scratch: Path) -> A
     )
 
 
-def _window(
-    settings: AgentSettings, frames: Sequence[bytes], warmup_s: float, seconds: float
-) -> _Window:
-    """Start an agent with ``settings``, feed it ``frames`` for ``warmup_s`` and then
-    ``seconds``, and count what it answered in the second part."""
+def _window(settings: AgentSettings, load: _UploadLoad, warmup_s: float, seconds: float) -> _Window:
+    """Start an agent with ``settings`` and its HTTP API, have ``load`` POST frames to it
+    for ``warmup_s`` and then ``seconds``, and count what it answered in the second part."""
     from edge_agent.agent import Agent
-    from edge_agent.intake import FrameResult
+    from edge_agent.sources.http import ApiServer, create_app
 
     publisher = _Receipts(settings.topics.receipts(settings.fleet, settings.agent_id))
-    in_flight = threading.Semaphore((settings.inference_threads + 1) * settings.max_batch)
-    stop = threading.Event()
-    counting = threading.Event()
-    lock = threading.Lock()
-    window = _Window()
-    order = itertools.cycle(range(len(frames)))
+    connections = (settings.inference_threads + 1) * settings.max_batch
+    with (
+        Agent(settings, publisher=publisher, start_sources=False) as agent,
+        ApiServer(create_app(agent), port=0) as server,
+    ):
+        load.start(server.port, connections)
+        try:
+            time.sleep(warmup_s)
+            window = _counted(agent, seconds)
+        finally:
+            window.errors = load.stop()
+    return window
 
-    def reply(result: FrameResult | None, error: BaseException | None) -> None:
-        in_flight.release()
-        if not counting.is_set():
+
+def _counted(agent: Any, seconds: float) -> _Window:
+    """What ``agent`` answered in the next ``seconds``, from its own counters."""
+    telemetry = agent.telemetry
+    frames, forwarded = telemetry.frames_total, telemetry.forwarded_total
+    cpu, start = time.process_time(), time.perf_counter()
+    time.sleep(seconds)
+    window = _Window(
+        frames=telemetry.frames_total - frames,
+        seconds=time.perf_counter() - start,
+        cpu_s=time.process_time() - cpu,
+        forwarded=telemetry.forwarded_total - forwarded,
+    )
+    snapshot = telemetry.snapshot()  # the newest answers' latencies
+    window.p50_ms = snapshot["latency_p50_ms"] or 0.0
+    window.p99_ms = snapshot["latency_p99_ms"] or 0.0
+    return window
+
+
+class _UploadLoad:
+    """Clients in a process of their own, as an agent's clients are: keep-alive
+    connections to the agent's API on this host, each POSTing the next frame as soon
+    as the last is answered, while started. ``stop()`` says how many were not answered
+    200 (refused or failed)."""
+
+    def __init__(self, frames: Sequence[bytes]) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=_post_frames, args=(list(frames), child), name="tune-load", daemon=True
+        )
+
+    def __enter__(self) -> _UploadLoad:
+        self._process.start()
+        if not self._conn.poll(60) or self._conn.recv() != "ready":
+            self._process.kill()
+            raise ConfigError("the tune's load process did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send(None)
+        self._process.join(10)
+        if self._process.is_alive():
+            self._process.kill()
+
+    def start(self, port: int, connections: int) -> None:
+        self._conn.send((port, connections))
+
+    def stop(self) -> int:
+        self._conn.send("stop")
+        if not self._conn.poll(30):
+            raise ConfigError("the tune's load process stopped answering")
+        errors: int = self._conn.recv()
+        return errors
+
+
+def _post_frames(frames: list[bytes], conn: Any) -> None:
+    """The load process: for each ``(port, connections)`` received, POST ``frames`` in
+    turn over that many keep-alive connections until told "stop", then send back how
+    many answers were not 200; None ends it."""
+    import selectors
+    import socket
+
+    conn.send("ready")
+    while (command := conn.recv()) is not None:
+        if command == "stop":
+            conn.send(0)
+            continue
+        port, connections = command
+        requests = [_upload_request(port, body) for body in frames]
+        selector = selectors.DefaultSelector()
+        socks: list[socket.socket] = []
+        buffers: dict[socket.socket, bytearray] = {}
+        turn = itertools.cycle(requests)
+        errors = 0
+        for _ in range(connections):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(next(turn))
+            buffers[sock] = bytearray()
+            selector.register(sock, selectors.EVENT_READ, sock)
+            socks.append(sock)
+        while not conn.poll():
+            for key, _ in selector.select(0.05):
+                sock = key.data
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise ConnectionError("the agent closed a keep-alive connection")
+                buf = buffers[sock]
+                buf += chunk
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    continue
+                head = bytes(buf[:end]).lower()
+                at = head.find(b"content-length:")
+                length = int(head[at + 15 :].split(b"\r\n", 1)[0]) if at >= 0 else 0
+                if len(buf) < end + 4 + length:
+                    continue
+                errors += not buf.startswith(b"HTTP/1.1 200")
+                del buf[: end + 4 + length]
+                sock.sendall(next(turn))
+        if conn.recv() is None:  # "stop" (or the end)
             return
-        with lock:
-            if result is None:
-                window.errors += 1
-                return
-            window.frames += 1
-            window.latencies_ms.append(result.latency_ms)
-            window.forwarded += result.forwarded
+        selector.close()
+        for sock in socks:
+            sock.close()
+        conn.send(errors)
 
-    def feed(agent: Agent) -> None:
-        while not stop.is_set():
-            if not in_flight.acquire(timeout=0.1):
-                continue
-            body = frames[next(order)]
-            try:
-                agent.answer_upload(body, reply, source="tune")
-            except (EdgeLoopError, queue.Full) as exc:  # counted; the others go on
-                reply(None, exc)
 
-    with Agent(settings, publisher=publisher, start_sources=False) as agent:
-        feeders = [
-            threading.Thread(target=feed, args=(agent,), name=f"tune-feed-{i}", daemon=True)
-            for i in range(settings.http_decode_threads)
-        ]
-        for feeder in feeders:
-            feeder.start()
-        time.sleep(warmup_s)
-        cpu, start = time.process_time(), time.perf_counter()
-        counting.set()
-        time.sleep(seconds)
-        counting.clear()
-        window.seconds = time.perf_counter() - start
-        window.cpu_s = time.process_time() - cpu
-        stop.set()
-        for feeder in feeders:
-            feeder.join(10)
-    return window.close()
+def _upload_request(port: int, body: bytes) -> bytes:
+    kind = "image/png" if body.startswith(b"\x89PNG") else "image/jpeg"
+    head = (
+        f"POST /v1/frames HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: {kind}\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode("ascii") + body
 
 
 def _clip_window(settings: AgentSettings, clip: Path, warmup_s: float, seconds: float) -> _Window:
@@ -305,22 +392,10 @@ def _clip_window(settings: AgentSettings, clip: Path, warmup_s: float, seconds: 
     with_camera = settings.model_copy(update={"cameras": [camera]})
     publisher = _Receipts(settings.topics.receipts(settings.fleet, settings.agent_id))
     with Agent(with_camera, publisher=publisher) as agent:
-        telemetry = agent.telemetry
         time.sleep(warmup_s)
-        frames, forwarded = telemetry.frames_total, telemetry.forwarded_total
-        dropped = telemetry.dropped_total
-        cpu, start = time.process_time(), time.perf_counter()
-        time.sleep(seconds)
-        window = _Window(
-            frames=telemetry.frames_total - frames,
-            seconds=time.perf_counter() - start,
-            cpu_s=time.process_time() - cpu,
-            forwarded=telemetry.forwarded_total - forwarded,
-            errors=telemetry.dropped_total - dropped,
-        )
-        snapshot = telemetry.snapshot()  # the newest answers' latencies
-    window.p50_ms = snapshot["latency_p50_ms"] or 0.0
-    window.p99_ms = snapshot["latency_p99_ms"] or 0.0
+        dropped = agent.telemetry.dropped_total
+        window = _counted(agent, seconds)
+        window.errors = agent.telemetry.dropped_total - dropped
     return window
 
 
@@ -336,22 +411,27 @@ def tune(
     """Each of ``layouts`` timed in ``rounds`` windows of ``seconds`` (the order
     alternating round by round), fastest first. ``frames``: encoded images, sent as
     uploads, or a video file, read by a camera source."""
+    if not layouts:
+        raise ConfigError("tune needs at least one layout")
+    load: _UploadLoad | None = None
     if isinstance(frames, Path):
         clip = check_clip(frames)
 
         def run_window(tuned: AgentSettings, warmup_s: float) -> _Window:
             return _clip_window(tuned, clip, warmup_s, seconds)
     else:
-        images = usable_frames(settings, frames)
+        load = _UploadLoad(usable_frames(settings, frames))
 
         def run_window(tuned: AgentSettings, warmup_s: float) -> _Window:
-            return _window(tuned, images, warmup_s, seconds)
+            assert load is not None
+            return _window(tuned, load, warmup_s, seconds)
 
-    if not layouts:
-        raise ConfigError("tune needs at least one layout")
     windows: dict[Layout, list[_Window]] = {layout: [] for layout in layouts}
     warmup_s = max(0.5, seconds / 4)
-    with tempfile.TemporaryDirectory(prefix="edgeloop-tune-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="edgeloop-tune-") as tmp,
+        load if load is not None else contextlib.nullcontext(),
+    ):
         for round_no in range(rounds):
             ordered = list(layouts) if round_no % 2 == 0 else list(layouts)[::-1]
             for i, layout in enumerate(ordered):
