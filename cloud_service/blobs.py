@@ -458,7 +458,16 @@ class _Writer:
         return mark
 
     def close(self) -> None:
-        os.close(self._lock_fd)
+        """Let go of the folder: removed when no pack of it is unsettled, else left
+        (unlocked) for a sweep."""
+        try:
+            if os.listdir(self.folder) == [_LOCK]:
+                os.unlink(os.path.join(self.folder, _LOCK))  # still held: no sweep is in it
+                os.rmdir(self.folder)
+        except OSError:
+            pass  # left for a sweep, which removes an empty folder
+        finally:
+            os.close(self._lock_fd)
 
 
 def _settle(marker: list[str]) -> None:

@@ -215,3 +215,7 @@ def test_a_settled_batch_leaves_no_marker(tmp_path: Path) -> None:
     batch.settle()
     batch.settle()  # twice is fine
     assert markers(root) == []
+    store.close()  # nothing unsettled: its writer folder goes
+    assert not any((root / "packs" / ".writers").iterdir())
+    store.put_many([(key, b"z") for key in keys(1)])  # writing again makes a new one
+    assert len(list((root / "packs" / ".writers").iterdir())) == 1
