@@ -79,7 +79,7 @@ import numpy as np
 import psutil
 
 from bench.common import Scrape, by_stage, markdown_table, ready, scrape
-from edge_agent.tuning import candidate_layouts
+from edge_agent.tuning import candidate_layouts, take_response, upload_request
 from shared.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -408,14 +408,6 @@ def _write_config(
 # --- the load generator: its own process, one thread, keep-alive sockets -------------
 
 
-def _request(port: int, body: bytes) -> bytes:
-    head = (
-        f"POST /v1/frames HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-        f"Content-Type: image/jpeg\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode("ascii") + body
-
-
 def _burst(socks: list[socket.socket], requests: list[bytes]) -> tuple[list[float], int]:
     """Send every request over the connections, one in flight on each; latencies, errors."""
     selector = selectors.DefaultSelector()
@@ -444,17 +436,11 @@ def _burst(socks: list[socket.socket], requests: list[bytes]) -> tuple[list[floa
                 raise ConnectionError("the agent closed a keep-alive connection")
             buf = buffers[sock]
             buf += chunk
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                continue
-            head = bytes(buf[:end]).lower()
-            at = head.find(b"content-length:")
-            length = int(head[at + 15 :].split(b"\r\n", 1)[0]) if at >= 0 else 0
-            if len(buf) < end + 4 + length:
+            answered = take_response(buf)
+            if answered is None:
                 continue
             latencies.append(time.perf_counter() - started[sock])
-            errors += not buf.startswith(b"HTTP/1.1 200")
-            del buf[: end + 4 + length]
+            errors += not answered
             if sent < total:
                 send(sock)
     selector.close()
@@ -472,7 +458,7 @@ def _client_main(jpegs: list[bytes], concurrency: int, conn: Connection) -> None
     while (message := conn.recv())[0] == "burst":
         port = message[1]
         if port not in requests:
-            requests[port] = [_request(port, j) for j in jpegs]
+            requests[port] = [upload_request(port, j) for j in jpegs]
         cpu, start = time.process_time(), time.perf_counter()
         socks = []
         for _ in range(concurrency):

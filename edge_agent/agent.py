@@ -374,11 +374,6 @@ class Agent:
         """Queue a checked upload, decoded by the inference thread that takes its batch."""
         self.intake.answer_checked_upload(body, info, reply, source=source, block=block)
 
-    def answer_upload(self, body: bytes, reply: Reply, *, source: str, block: bool = True) -> None:
-        """Check, decode and queue an uploaded JPEG/PNG (decoded by the inference thread
-        that takes it where uploads are decoded there); raises ImageRejected."""
-        self.intake.answer_upload(body, reply, source=source, block=block)
-
     def process(self, rgb: np.ndarray, *, source: str, **kwargs: Any) -> FrameResult:
         """Answer one frame (blocking)."""
         return self.submit(rgb, source=source, **kwargs).result(self.settings.infer_timeout_s)

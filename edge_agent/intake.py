@@ -347,16 +347,6 @@ class Intake:
         frame = DeferredFrame(functools.partial(model_tensor, body, info))
         self.batcher.submit_job(frame, job, block=block)
 
-    def answer_upload(self, body: bytes, reply: Reply, *, source: str, block: bool = True) -> None:
-        """Check an upload and queue it, decoded where this agent decodes uploads (by the
-        inference thread that takes it, or here first); raises ImageRejected."""
-        if self.decodes_uploads_inline:
-            info, isolated = self.check_upload(body)
-            if not isolated:
-                self.answer_checked_upload(body, info, reply, source=source, block=block)
-                return
-        self.answer_frame(self.decode_for_model(body), reply, source=source, block=block)
-
     def _submit(
         self,
         tensor: np.ndarray,

@@ -48,7 +48,9 @@ __all__ = [
     "check_clip",
     "default_cores",
     "load_frames",
+    "take_response",
     "tune",
+    "upload_request",
     "usable_frames",
 ]
 
@@ -333,7 +335,7 @@ def _post_frames(frames: list[bytes], conn: Any) -> None:
             conn.send(0)
             continue
         port, connections = command
-        requests = [_upload_request(port, body) for body in frames]
+        requests = [upload_request(port, body) for body in frames]
         selector = selectors.DefaultSelector()
         socks: list[socket.socket] = []
         buffers: dict[socket.socket, bytearray] = {}
@@ -354,16 +356,10 @@ def _post_frames(frames: list[bytes], conn: Any) -> None:
                     raise ConnectionError("the agent closed a keep-alive connection")
                 buf = buffers[sock]
                 buf += chunk
-                end = buf.find(b"\r\n\r\n")
-                if end < 0:
+                answered = take_response(buf)
+                if answered is None:
                     continue
-                head = bytes(buf[:end]).lower()
-                at = head.find(b"content-length:")
-                length = int(head[at + 15 :].split(b"\r\n", 1)[0]) if at >= 0 else 0
-                if len(buf) < end + 4 + length:
-                    continue
-                errors += not buf.startswith(b"HTTP/1.1 200")
-                del buf[: end + 4 + length]
+                errors += not answered
                 sock.sendall(next(turn))
         if conn.recv() is None:  # "stop" (or the end)
             return
@@ -373,13 +369,31 @@ def _post_frames(frames: list[bytes], conn: Any) -> None:
         conn.send(errors)
 
 
-def _upload_request(port: int, body: bytes) -> bytes:
+def upload_request(port: int, body: bytes) -> bytes:
+    """A keep-alive ``POST /v1/frames`` of ``body`` (a JPEG, or a PNG) to this host's
+    ``port``, as bytes to send."""
     kind = "image/png" if body.startswith(b"\x89PNG") else "image/jpeg"
     head = (
         f"POST /v1/frames HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
         f"Content-Type: {kind}\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     return head.encode("ascii") + body
+
+
+def take_response(buf: bytearray) -> bool | None:
+    """Take the first whole HTTP/1.1 response off ``buf``: whether it was a 200; None
+    (``buf`` untouched) while it is not whole yet."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    head = bytes(buf[:end]).lower()
+    at = head.find(b"content-length:")
+    length = int(head[at + 15 :].split(b"\r\n", 1)[0]) if at >= 0 else 0
+    if len(buf) < end + 4 + length:
+        return None
+    ok = buf.startswith(b"HTTP/1.1 200")
+    del buf[: end + 4 + length]
+    return ok
 
 
 def _clip_window(settings: AgentSettings, clip: Path, warmup_s: float, seconds: float) -> _Window:

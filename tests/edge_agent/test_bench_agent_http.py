@@ -14,6 +14,7 @@ import pytest
 
 from bench import agent as bench_agent
 from edge_agent.sources.http import ApiServer
+from edge_agent.tuning import upload_request
 
 
 def test_the_bare_server_reads_each_body_and_answers_an_answer_sized_json() -> None:
@@ -43,7 +44,7 @@ def test_the_bare_server_takes_uploads_by_the_agents_raw_route() -> None:
 def test_a_burst_sends_every_request_over_keep_alive_connections_and_times_each() -> None:
     frames = bench_agent._frames(3)
     with ApiServer(bench_agent.bare_app(b'{"ok": true}')) as server:
-        requests = [bench_agent._request(server.port, frames[i % 3]) for i in range(20)]
+        requests = [upload_request(server.port, frames[i % 3]) for i in range(20)]
         socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
         try:
             latencies, errors = bench_agent._burst(socks, requests)

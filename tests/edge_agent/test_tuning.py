@@ -20,7 +20,9 @@ from edge_agent.tuning import (
     candidate_layouts,
     check_clip,
     load_frames,
+    take_response,
     tune,
+    upload_request,
     usable_frames,
 )
 from shared.errors import ConfigError
@@ -216,3 +218,19 @@ def test_cli_prints_the_fastest_layout_and_writes_it(
     assert on_clip.exit_code == 0, on_clip.output
     assert "clip.avi read as a camera" in on_clip.output
     assert "fastest: intra_op_threads=" in on_clip.output
+
+
+def test_the_load_client_sends_uploads_and_takes_whole_answers_one_at_a_time() -> None:
+    jpeg, png = image_bytes(), image_bytes(fmt="PNG")
+    assert b"Content-Type: image/jpeg\r\n" in upload_request(8081, jpeg)
+    request = upload_request(8081, png)
+    assert request.startswith(b"POST /v1/frames HTTP/1.1\r\n") and request.endswith(png)
+    assert f"Content-Length: {len(png)}\r\n".encode() in request
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"
+    refused = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 3\r\n\r\n{ }"
+    buf = bytearray(ok[:-1])
+    assert take_response(buf) is None and buf == ok[:-1]  # not whole yet: left as it was
+    buf += ok[-1:] + refused
+    assert take_response(buf) is True
+    assert take_response(buf) is False
+    assert buf == b"" and take_response(buf) is None
