@@ -79,7 +79,7 @@ import numpy as np
 import psutil
 
 from bench.common import Scrape, by_stage, markdown_table, ready, scrape
-from edge_agent.tuning import candidate_layouts, take_response, upload_request
+from edge_agent.tuning import candidate_layouts, connect, receive_answer, upload_request
 from shared.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -431,12 +431,7 @@ def _burst(socks: list[socket.socket], requests: list[bytes]) -> tuple[list[floa
     while len(latencies) < total:
         for key, _ in selector.select():
             sock = key.data
-            chunk = sock.recv(65536)
-            if not chunk:
-                raise ConnectionError("the agent closed a keep-alive connection")
-            buf = buffers[sock]
-            buf += chunk
-            answered = take_response(buf)
+            answered = receive_answer(sock, buffers[sock])
             if answered is None:
                 continue
             latencies.append(time.perf_counter() - started[sock])
@@ -460,11 +455,7 @@ def _client_main(jpegs: list[bytes], concurrency: int, conn: Connection) -> None
         if port not in requests:
             requests[port] = [upload_request(port, j) for j in jpegs]
         cpu, start = time.process_time(), time.perf_counter()
-        socks = []
-        for _ in range(concurrency):
-            sock = socket.create_connection(("127.0.0.1", port))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            socks.append(sock)
+        socks = [connect(port) for _ in range(concurrency)]
         try:
             latencies, errors = _burst(socks, requests[port])
         finally:

@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import logging
 import os
+import socket
 import statistics
 import tempfile
 import threading
@@ -46,8 +47,10 @@ __all__ = [
     "Trial",
     "candidate_layouts",
     "check_clip",
+    "connect",
     "default_cores",
     "load_frames",
+    "receive_answer",
     "take_response",
     "tune",
     "upload_request",
@@ -327,7 +330,6 @@ def _post_frames(frames: list[bytes], conn: Any) -> None:
     turn over that many keep-alive connections until told "stop", then send back how
     many answers were not 200; None ends it."""
     import selectors
-    import socket
 
     conn.send("ready")
     while (command := conn.recv()) is not None:
@@ -342,8 +344,7 @@ def _post_frames(frames: list[bytes], conn: Any) -> None:
         turn = itertools.cycle(requests)
         errors = 0
         for _ in range(connections):
-            sock = socket.create_connection(("127.0.0.1", port))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = connect(port)
             sock.sendall(next(turn))
             buffers[sock] = bytearray()
             selector.register(sock, selectors.EVENT_READ, sock)
@@ -351,12 +352,7 @@ def _post_frames(frames: list[bytes], conn: Any) -> None:
         while not conn.poll():
             for key, _ in selector.select(0.05):
                 sock = key.data
-                chunk = sock.recv(65536)
-                if not chunk:
-                    raise ConnectionError("the agent closed a keep-alive connection")
-                buf = buffers[sock]
-                buf += chunk
-                answered = take_response(buf)
+                answered = receive_answer(sock, buffers[sock])
                 if answered is None:
                     continue
                 errors += not answered
@@ -378,6 +374,23 @@ def upload_request(port: int, body: bytes) -> bytes:
         f"Content-Type: {kind}\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     return head.encode("ascii") + body
+
+
+def connect(port: int) -> socket.socket:
+    """A keep-alive connection to the agent's API on this host (no Nagle delay)."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def receive_answer(sock: socket.socket, buf: bytearray) -> bool | None:
+    """Read what ``sock`` has into ``buf`` and take a whole answer off it
+    (``take_response``); ConnectionError when the agent closed the connection."""
+    chunk = sock.recv(65536)
+    if not chunk:
+        raise ConnectionError("the agent closed a keep-alive connection")
+    buf += chunk
+    return take_response(buf)
 
 
 def take_response(buf: bytearray) -> bool | None:
