@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from shared.checksum import crc32
 
 __all__ = ["SEGMENT_BYTES", "PayloadLog", "Placement", "SegmentChanges"]
 
@@ -149,7 +150,7 @@ class PayloadLog:
         placements: list[Placement] = []
         start = at = self._end
         for payload in payloads:
-            placements.append(Placement(self._current, at, len(payload), zlib.crc32(payload)))
+            placements.append(Placement(self._current, at, len(payload), crc32(payload)))
             at += len(payload)
         if not placements:
             return placements
@@ -214,7 +215,7 @@ class PayloadLog:
             data = os.pread(self._reader(place.segment), place.size, place.offset)
         except OSError:
             return None
-        if len(data) != place.size or zlib.crc32(data) != place.crc:
+        if len(data) != place.size or crc32(data) != place.crc:
             return None
         return data
 

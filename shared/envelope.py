@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import json
 import struct
-import zlib
 from dataclasses import dataclass
 
+from shared.checksum import crc32
 from shared.errors import (
     BadMagicError,
     ChecksumError,
@@ -121,7 +121,7 @@ def encode_envelope(
             f"header says {header.image_bytes} image bytes but the image has {len(image)}"
         )
     _check_image(header, probe_image(image), limits)
-    crc = zlib.crc32(image, zlib.crc32(header_bytes))
+    crc = crc32(image, crc32(header_bytes))
     prefix = _PREFIX.pack(MAGIC, ENVELOPE_VERSION, 0, len(header_bytes), crc)
     return b"".join((prefix, header_bytes, image))
 
@@ -160,7 +160,7 @@ def decode_envelope(
     image_len = total - image_start
     if image_len > limits.max_image_bytes:
         raise _too_large("image size", "image_bytes", image_len, limits.max_image_bytes)
-    if zlib.crc32(view[PREFIX_SIZE:]) != crc:
+    if crc32(view[PREFIX_SIZE:]) != crc:
         raise ChecksumError("envelope CRC-32 does not match its contents (corrupted or cut)")
     header = decode_message(
         view[PREFIX_SIZE:image_start], SampleHeader, max_bytes=limits.max_header_bytes
