@@ -31,12 +31,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from edge_agent.imaging import ACCEPTED
 from edge_agent.settings import AgentSettings
@@ -214,18 +212,10 @@ class _Window:
     frames: int = 0
     seconds: float = 0.0
     cpu_s: float = 0.0
-    latencies_ms: list[float] = field(default_factory=list)
     forwarded: int = 0
     errors: int = 0
     p50_ms: float = 0.0
     p99_ms: float = 0.0
-
-    def close(self) -> _Window:
-        if self.latencies_ms:
-            self.p50_ms = float(np.percentile(self.latencies_ms, 50))
-            self.p99_ms = float(np.percentile(self.latencies_ms, 99))
-            self.latencies_ms = []
-        return self
 
 
 def _tuned_settings(settings: AgentSettings, layout: Layout, scratch: Path) -> AgentSettings:
@@ -263,7 +253,8 @@ def _window(settings: AgentSettings, load: _UploadLoad, warmup_s: float, seconds
             time.sleep(warmup_s)
             window = _counted(agent, seconds)
         finally:
-            window.errors = load.stop()
+            errors = load.stop()
+    window.errors = errors
     return window
 
 
