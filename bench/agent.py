@@ -277,6 +277,18 @@ def _decode(jpeg: bytes, hw: tuple[int, int]) -> np.ndarray:
     return decode_for_model(jpeg, hw, max_bytes=10**7, max_pixels=10**8).tensor
 
 
+def _decode_batch(jpegs: list[bytes], hw: tuple[int, int]) -> np.ndarray:
+    """The agent's upload decode as its inference threads run it (``MicroBatcher``):
+    each upload checked, then decoded into its slot of the batch."""
+    from edge_agent.imaging import check_upload_cost, model_tensor
+
+    batch = np.empty((len(jpegs), *hw, 3), np.uint8)
+    for slot, jpeg in zip(batch, jpegs, strict=True):
+        info, _cost = check_upload_cost(jpeg, max_bytes=10**7, max_pixels=10**8)
+        model_tensor(jpeg, info, hw, slot)
+    return batch
+
+
 def _engine(model: Path, layout: Layout) -> Any:
     from edge_agent.engine import EngineOptions, OrtEngine
 
@@ -368,12 +380,7 @@ def _raw_loops(
 
     def inline() -> None:
         starts = iter(range(0, len(jpegs), MAX_BATCH))
-        _infer_all(
-            engine,
-            starts,
-            layout,
-            lambda i: np.stack([_decode(j, hw) for j in jpegs[i : i + MAX_BATCH]]),
-        )
+        _infer_all(engine, starts, layout, lambda i: _decode_batch(jpegs[i : i + MAX_BATCH], hw))
 
     return {
         "raw_decode": inline if layout.decode_inline else pipelined,

@@ -37,6 +37,7 @@ from PIL import Image
 from shared.decode_pool import DecodePool
 from shared.errors import ImageError, ImageFormatError, ModelError
 from shared.images import DecodeCost, ImageInfo, decode_cost, probe_image
+from shared.imdecode import DECODES_RGB, decode_flag
 from shared.tasks import Answer, ClassificationTask, task_for
 
 if TYPE_CHECKING:
@@ -73,36 +74,6 @@ def choose_providers(wanted: Sequence[str] | None = None) -> list[str]:
     return chosen
 
 
-def _reduced_flag(info: ImageInfo, size: tuple[int, int]) -> int:
-    """The ``cv2.imdecode`` flag that lets libjpeg decode at 1/8, 1/4 or 1/2 scale (DCT
-    scaling) while the result stays at least ``size`` (H, W): a 208 px camera crop for a
-    64 px teacher decodes at 104 px, skipping most of the inverse DCT work."""
-    if info.format == "jpeg":
-        h, w = size
-        for factor, flag in _REDUCED:
-            if info.width >= factor * w and info.height >= factor * h:
-                return flag | cv2.IMREAD_IGNORE_ORIENTATION
-    return cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION
-
-
-_REDUCED = (
-    (8, cv2.IMREAD_REDUCED_COLOR_8),
-    (4, cv2.IMREAD_REDUCED_COLOR_4),
-    (2, cv2.IMREAD_REDUCED_COLOR_2),
-)
-
-# OpenCV 4.10 and later decode to RGB themselves (libjpeg writes RGB): no conversion
-# after, which in a loaded verifier cost a wait for the interpreter lock of its own.
-_RGB_DECODE: int | None = getattr(cv2, "IMREAD_COLOR_RGB", None)
-
-
-def _rgb(flag: int) -> int:
-    """``flag`` (a colour ``IMREAD_*``) decoding to RGB where OpenCV can; else as it is."""
-    if _RGB_DECODE is None:
-        return flag
-    return (flag & ~cv2.IMREAD_COLOR) | _RGB_DECODE
-
-
 def decode_image(
     data: bytes,
     size: tuple[int, int] | None,
@@ -136,16 +107,14 @@ def decode_image(
 
 def _decode_pixels(data: bytes, info: ImageInfo, size: tuple[int, int] | None) -> np.ndarray:
     """``decode_image`` of probed bytes, in this process."""
-    flag = cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION
-    if size is not None:
-        flag = _reduced_flag(info, size)
     # libjpeg through OpenCV fills a truncated JPEG with grey and says nothing; one
     # that does not end with its EOI marker goes through Pillow, which refuses it.
     complete = info.format != "jpeg" or data.endswith(b"\xff\xd9")
-    decoded = cv2.imdecode(np.frombuffer(data, np.uint8), _rgb(flag)) if complete else None
+    flag = decode_flag(info, size)  # reduced by libjpeg where it can, RGB where OpenCV can
+    decoded = cv2.imdecode(np.frombuffer(data, np.uint8), flag) if complete else None
     if decoded is None:
         rgb = _decode_with_pillow(data)
-    elif _RGB_DECODE is not None:
+    elif DECODES_RGB:
         rgb = decoded
     else:
         rgb = cv2.cvtColor(decoded, cv2.COLOR_BGR2RGB)

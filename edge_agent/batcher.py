@@ -108,12 +108,13 @@ class JobBatch:
 
 
 class DeferredFrame:
-    """A frame prepared by the inference thread that takes it: ``make(input_hw)`` returns
-    the uint8 [h, w, 3] tensor (an upload decoded there, not on a thread of its own)."""
+    """A frame prepared by the inference thread that takes it: ``make(input_hw, out)``
+    writes the uint8 [h, w, 3] tensor into ``out``, its slot of the batch (an upload
+    decoded there, not on a thread of its own, and into the batch, not beside it)."""
 
     __slots__ = ("make",)
 
-    def __init__(self, make: Callable[[tuple[int, int]], np.ndarray]) -> None:
+    def __init__(self, make: Callable[[tuple[int, int], np.ndarray], object]) -> None:
         self.make = make
 
 
@@ -337,11 +338,13 @@ class MicroBatcher:
         engine = self._engine
         frames = [f for f, _ in live]
         if any(type(f) is DeferredFrame for f in frames):
-            live, frames = self._prepare(live, engine)
+            live, inputs = self._prepare(live, engine)
             if not live:
                 return
+        else:
+            inputs = np.stack(frames)
         try:
-            scores = engine.run(np.stack(frames))
+            scores = engine.run(inputs)
         except EdgeLoopError as exc:
             self._fail(live, exc, engine)
             return
@@ -365,22 +368,28 @@ class MicroBatcher:
             job_scores = scores if len(rows) == size else scores[rows]
             self._deliver(JobBatch(jobs, job_scores, engine, size))
 
-    def _prepare(self, live: list[_Item], engine: Engine) -> tuple[list[_Item], list[np.ndarray]]:
-        """The batch's deferred frames made here; one that fails is answered alone."""
-        kept: list[_Item] = []
-        frames: list[np.ndarray] = []
+    def _prepare(self, live: list[_Item], engine: Engine) -> tuple[list[_Item], np.ndarray]:
+        """The batch's input, made here: each deferred frame decoded into its slot, the
+        others copied into theirs; a frame that fails is answered alone.
+
+        Written in place, the batch needs no stacking afterwards (a copy of every frame)
+        and its frames no arrays of their own.
+        """
         hw = engine.input_hw
+        batch = np.empty((len(live), *hw, 3), np.uint8)
+        kept: list[_Item] = []
         for item in live:
-            frame = item[0]
-            if type(frame) is DeferredFrame:
-                try:
-                    frame = frame.make(hw)
-                except Exception as exc:
-                    self._fail([item], exc, engine)
-                    continue
+            frame, slot = item[0], batch[len(kept)]
+            try:
+                if type(frame) is DeferredFrame:
+                    frame.make(hw, slot)
+                else:
+                    slot[...] = frame  # raises for a frame of another size (a swapped model)
+            except Exception as exc:
+                self._fail([item], exc, engine)
+                continue
             kept.append(item)
-            frames.append(frame)
-        return kept, frames
+        return kept, batch[: len(kept)]
 
     def _fail(self, items: list[_Item], error: BaseException, engine: Engine | None = None) -> None:
         jobs = []

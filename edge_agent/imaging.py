@@ -5,11 +5,12 @@ format and dimensions that ``shared.probe_image`` reads from the header alone, s
 a 100-megapixel bomb costs a few microseconds to refuse.
 
 ``decode_for_model`` is the upload hot path: OpenCV decodes (releasing the GIL, so
-decoding overlaps inference), a JPEG at least twice or four times the model's input
-is decoded at a half or a quarter of its size by the JPEG decoder itself (far
-cheaper than decoding every pixel and shrinking afterwards), and the frame is
-resized in BGR and only then converted to RGB, at the model's size. Anything
-OpenCV refuses is decoded again by Pillow, whose error says what was wrong.
+decoding overlaps inference), a JPEG at least two, four or eight times the model's
+input is decoded at that fraction of its size by the JPEG decoder itself (far
+cheaper than decoding every pixel and shrinking afterwards), straight to RGB
+(``shared.imdecode``), and resized to the model's size, into its slot of the batch
+where the inference thread decodes its own batch (``model_tensor``'s ``out``).
+Anything OpenCV refuses is decoded again by Pillow, whose error says what was wrong.
 
 With a ``DecodePool`` (the agent has one while it runs), the images whose decode
 cost the limits do not bound (progressive JPEGs, many scans) are decoded in its
@@ -37,6 +38,7 @@ from shared.errors import (
     JpegScanLimitError,
 )
 from shared.images import DecodeCost, ImageInfo, decode_cost, probe_image
+from shared.imdecode import DECODES_RGB, decode_flag
 from shared.interpreter import ProcessSetting
 
 __all__ = [
@@ -52,7 +54,6 @@ __all__ = [
     "model_tensor",
     "opencv_threads",
     "prepare_bgr",
-    "reduction_flag",
     "resize_for_model",
 ]
 
@@ -189,17 +190,6 @@ def _isolated(pool: DecodePool, decoder: Decoder, data: bytes, *args: object) ->
         raise ImageRejected(exc.message, reason=exc.reason) from exc
 
 
-def reduction_flag(info: ImageInfo, hw: tuple[int, int]) -> int:
-    """The ``cv2.imdecode`` flag that decodes a JPEG at 1/4 or 1/2 scale when it stays >= ``hw``."""
-    if info.format != "jpeg":
-        return cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION
-    h, w = hw
-    for factor, flag in ((4, cv2.IMREAD_REDUCED_COLOR_4), (2, cv2.IMREAD_REDUCED_COLOR_2)):
-        if info.width >= factor * w and info.height >= factor * h:
-            return int(flag) | cv2.IMREAD_IGNORE_ORIENTATION
-    return cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION
-
-
 def decode_for_model(
     data: bytes,
     hw: tuple[int, int],
@@ -219,29 +209,38 @@ def decode_for_model(
     return ModelFrame(model_tensor(data, info, hw), info, data)
 
 
-def model_tensor(data: bytes, info: ImageInfo, hw: tuple[int, int]) -> np.ndarray:
-    """Decode a checked JPEG or PNG (``check_upload``) straight to the model's RGB input."""
+def model_tensor(
+    data: bytes, info: ImageInfo, hw: tuple[int, int], out: np.ndarray | None = None
+) -> np.ndarray:
+    """Decode a checked JPEG or PNG (``check_upload``) straight to the model's RGB input,
+    written into ``out`` (uint8 [h, w, 3], a slot of the batch) when given."""
     try:
-        bgr = cv2.imdecode(np.frombuffer(data, np.uint8), reduction_flag(info, hw))
+        decoded = cv2.imdecode(np.frombuffer(data, np.uint8), decode_flag(info, hw))
     except cv2.error:
-        bgr = None
-    if bgr is None:
+        decoded = None
+    if decoded is None:
         # OpenCV says only "no image": Pillow's decoder names the problem (or succeeds).
-        return resize_for_model(_decode_rgb(data, info), hw)
-    return prepare_bgr(bgr, hw)
+        return resize_for_model(_decode_rgb(data, info), hw, out)
+    if not DECODES_RGB:
+        return prepare_bgr(decoded, hw, out)
+    return resize_for_model(decoded, hw, out)
 
 
-def prepare_bgr(bgr: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
-    """A BGR frame as OpenCV decodes or captures it -> the model's RGB input.
+def prepare_bgr(bgr: np.ndarray, hw: tuple[int, int], out: np.ndarray | None = None) -> np.ndarray:
+    """A BGR frame as OpenCV decodes or captures it -> the model's RGB input (in ``out``
+    when given).
 
     Shrunk first, then converted: the same pixels as converting first, for less work.
     """
     small = resize_for_model(bgr, hw)
-    return cv2.cvtColor(small, cv2.COLOR_BGR2RGB, dst=np.empty_like(small))
+    return cv2.cvtColor(small, cv2.COLOR_BGR2RGB, dst=np.empty_like(small) if out is None else out)
 
 
-def resize_for_model(rgb: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
-    """[H, W, 3] -> uint8 [h, w, 3] at the model's size (area filter when shrinking).
+def resize_for_model(
+    rgb: np.ndarray, hw: tuple[int, int], out: np.ndarray | None = None
+) -> np.ndarray:
+    """[H, W, 3] -> uint8 [h, w, 3] at the model's size (area filter when shrinking),
+    written into ``out`` when given (a slot of the batch: no array of its own to stack).
 
     A frame at least four times the model's size in both directions is first halved,
     as often as that still holds and its sides are even, by OpenCV's 2x2 box filter
@@ -253,7 +252,10 @@ def resize_for_model(rgb: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
     h, w = hw
     height, width = rgb.shape[:2]
     if height == h and width == w:
-        return np.ascontiguousarray(rgb, dtype=np.uint8)
+        if out is None:
+            return np.ascontiguousarray(rgb, dtype=np.uint8)
+        np.copyto(out, rgb, casting="unsafe")
+        return out
     # Exact halves only (even sides), so each halving averages whole 2x2 blocks; at
     # least 4:1 before each, so the last resize still averages 2x2 halved pixels or more.
     while height >= 4 * h and width >= 4 * w and height % 2 == 0 and width % 2 == 0:
@@ -262,10 +264,14 @@ def resize_for_model(rgb: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
             rgb, (width, height), dst=_empty(rgb, height, width), interpolation=cv2.INTER_AREA
         )
     if height == h and width == w:
-        return rgb
+        if out is None:
+            return rgb
+        np.copyto(out, rgb)
+        return out
     shrinking = height > h or width > w
     interpolation = cv2.INTER_AREA if shrinking else cv2.INTER_LINEAR
-    return cv2.resize(rgb, (w, h), dst=_empty(rgb, h, w), interpolation=interpolation)
+    dst = _empty(rgb, h, w) if out is None else out
+    return cv2.resize(rgb, (w, h), dst=dst, interpolation=interpolation)
 
 
 def _empty(image: np.ndarray, height: int, width: int) -> np.ndarray:

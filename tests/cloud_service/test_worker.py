@@ -263,8 +263,9 @@ def test_decode_image_gives_the_pixels_of_a_bgr_decode_converted(
     import numpy as np
     from PIL import Image
 
-    from cloud_service.verifier import _reduced_flag, decode_image
+    from cloud_service.verifier import decode_image
     from shared.images import probe_image
+    from shared.imdecode import decode_flag
 
     if kind == "jpeg":
         data = _smooth_jpeg(208, 208)
@@ -275,9 +276,7 @@ def test_decode_image_gives_the_pixels_of_a_bgr_decode_converted(
         buffer = io.BytesIO()
         Image.fromarray(pixels, mode).save(buffer, format="PNG")
         data = buffer.getvalue()
-    flag = cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION
-    if size is not None:
-        flag = _reduced_flag(probe_image(data), size)
+    flag = decode_flag(probe_image(data), size, rgb=False)
     bgr = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
     want = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
     if size is not None:

@@ -172,11 +172,11 @@ def test_deferred_frames_are_made_by_the_inference_thread_and_a_failed_one_alone
     made: list[tuple[tuple[int, int], str]] = []
 
     def deferred(value: int) -> DeferredFrame:
-        def make(hw: tuple[int, int]) -> np.ndarray:
+        def make(hw: tuple[int, int], out: np.ndarray) -> None:
             made.append((hw, threading.current_thread().name))
             if value == 20:
                 raise ImageRejected("not an image", reason="undecodable")
-            return np.full((*hw, 3), value, dtype=np.uint8)
+            out[...] = value
 
         return DeferredFrame(make)
 

@@ -20,8 +20,8 @@ from edge_agent.imaging import (
     ImageRejected,
     decode_for_model,
     decode_image,
+    model_tensor,
     prepare_bgr,
-    reduction_flag,
     resize_for_model,
 )
 from edge_agent.settings import AgentSettings
@@ -42,22 +42,22 @@ def _photo(width: int, height: int, fmt: str = "JPEG", mode: str = "RGB") -> byt
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize(
-    ("size", "flag"),
-    [
-        ((640, 480), cv2.IMREAD_REDUCED_COLOR_4),
-        ((320, 240), cv2.IMREAD_REDUCED_COLOR_2),
-        ((120, 200), cv2.IMREAD_COLOR),
-    ],
-)
-def test_jpeg_is_decoded_reduced_only_when_it_stays_over_the_model_size(
-    size: tuple[int, int], flag: int
+@pytest.mark.parametrize(("fmt", "mode"), [("JPEG", "RGB"), ("PNG", "RGB"), ("PNG", "L")])
+def test_an_upload_decoded_into_its_batch_slot_is_the_frame_decoded_alone(
+    fmt: str, mode: str
 ) -> None:
-    info = ImageInfo("jpeg", *size)
-    assert reduction_flag(info, (64, 64)) & ~cv2.IMREAD_IGNORE_ORIENTATION == flag
-    # PNG has no reduced decode.
-    png = ImageInfo("png", *size)
-    assert reduction_flag(png, (64, 64)) & ~cv2.IMREAD_IGNORE_ORIENTATION == cv2.IMREAD_COLOR
+    data = _photo(320, 240, fmt, mode)
+    info = decode_for_model(data, (64, 64), **LIMITS).info
+    alone = model_tensor(data, info, (64, 64))
+    batch = np.zeros((3, 64, 64, 3), np.uint8)
+    written = model_tensor(data, info, (64, 64), batch[1])
+    assert np.shares_memory(written, batch)
+    assert np.array_equal(batch[1], alone)
+    assert not batch[0].any() and not batch[2].any()  # its own slot only
+    # At the model's size already: copied into the slot as decoded.
+    same_size = _photo(64, 64, fmt, mode)
+    model_tensor(same_size, ImageInfo(info.format, 64, 64), (64, 64), batch[2])
+    assert np.array_equal(batch[2], decode_for_model(same_size, (64, 64), **LIMITS).tensor)
 
 
 @pytest.mark.parametrize(("fmt", "mode"), [("JPEG", "RGB"), ("PNG", "RGB"), ("PNG", "L")])
