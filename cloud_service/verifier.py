@@ -37,7 +37,7 @@ from PIL import Image
 from shared.decode_pool import DecodePool
 from shared.errors import ImageError, ImageFormatError, ModelError
 from shared.images import DecodeCost, ImageInfo, decode_cost, probe_image
-from shared.imdecode import DECODES_RGB, decode_flag
+from shared.imdecode import decode_rgb
 from shared.tasks import Answer, ClassificationTask, task_for
 
 if TYPE_CHECKING:
@@ -107,17 +107,12 @@ def decode_image(
 
 def _decode_pixels(data: bytes, info: ImageInfo, size: tuple[int, int] | None) -> np.ndarray:
     """``decode_image`` of probed bytes, in this process."""
-    # libjpeg through OpenCV fills a truncated JPEG with grey and says nothing; one
-    # that does not end with its EOI marker goes through Pillow, which refuses it.
+    # A lenient JPEG decoder fills a truncated JPEG with grey and says nothing; one that
+    # does not end with its EOI marker goes through Pillow, which refuses it.
     complete = info.format != "jpeg" or data.endswith(b"\xff\xd9")
-    flag = decode_flag(info, size)  # reduced by libjpeg where it can, RGB where OpenCV can
-    decoded = cv2.imdecode(np.frombuffer(data, np.uint8), flag) if complete else None
-    if decoded is None:
+    rgb = decode_rgb(data, info, size) if complete else None  # reduced while >= size, RGB
+    if rgb is None:
         rgb = _decode_with_pillow(data)
-    elif DECODES_RGB:
-        rgb = decoded
-    else:
-        rgb = cv2.cvtColor(decoded, cv2.COLOR_BGR2RGB)
     if size is not None and rgb.shape[:2] != size:
         shrinking = rgb.shape[0] > size[0] or rgb.shape[1] > size[1]
         interpolation = cv2.INTER_AREA if shrinking else cv2.INTER_LINEAR

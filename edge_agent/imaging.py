@@ -38,7 +38,7 @@ from shared.errors import (
     JpegScanLimitError,
 )
 from shared.images import DecodeCost, ImageInfo, decode_cost, probe_image
-from shared.imdecode import DECODES_RGB, decode_flag
+from shared.imdecode import decode_rgb
 from shared.interpreter import ProcessSetting
 
 __all__ = [
@@ -214,15 +214,12 @@ def model_tensor(
 ) -> np.ndarray:
     """Decode a checked JPEG or PNG (``check_upload``) straight to the model's RGB input,
     written into ``out`` (uint8 [h, w, 3], a slot of the batch) when given."""
-    try:
-        decoded = cv2.imdecode(np.frombuffer(data, np.uint8), decode_flag(info, hw))
-    except cv2.error:
-        decoded = None
+    decoded = decode_rgb(data, info, hw, out)
+    if decoded is not None and decoded is out:  # decoded into it: at the model's size
+        return decoded
     if decoded is None:
-        # OpenCV says only "no image": Pillow's decoder names the problem (or succeeds).
-        return resize_for_model(_decode_rgb(data, info), hw, out)
-    if not DECODES_RGB:
-        return prepare_bgr(decoded, hw, out)
+        # The decoder refused it: Pillow's decoder names the problem (or reads it).
+        decoded = _decode_rgb(data, info)
     return resize_for_model(decoded, hw, out)
 
 

@@ -252,20 +252,17 @@ def test_decode_image_scales_to_the_teacher_input(
 
 @pytest.mark.parametrize("kind", ["jpeg", "png-gray", "png-alpha"])
 @pytest.mark.parametrize("size", [(64, 64), None])
-def test_decode_image_gives_the_pixels_of_a_bgr_decode_converted(
+def test_decode_image_gives_rgb_pixels_whatever_the_image_holds(
     kind: str, size: tuple[int, int] | None
 ) -> None:
-    """Where OpenCV decodes to RGB itself, the pixels are those of its BGR decode
-    converted (the path of an OpenCV without it), at full and at reduced scale."""
+    """RGB order from a colour JPEG, a grey PNG and one with alpha, at full size (a PNG
+    exactly as Pillow reads it) and at the teacher's (reduced, then resized)."""
     import io
 
-    import cv2
     import numpy as np
     from PIL import Image
 
     from cloud_service.verifier import decode_image
-    from shared.images import probe_image
-    from shared.imdecode import decode_flag
 
     if kind == "jpeg":
         data = _smooth_jpeg(208, 208)
@@ -276,12 +273,14 @@ def test_decode_image_gives_the_pixels_of_a_bgr_decode_converted(
         buffer = io.BytesIO()
         Image.fromarray(pixels, mode).save(buffer, format="PNG")
         data = buffer.getvalue()
-    flag = decode_flag(probe_image(data), size, rgb=False)
-    bgr = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
-    want = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
-    if size is not None:
-        want = cv2.resize(want, size[::-1], interpolation=cv2.INTER_AREA)
-    assert np.array_equal(decode_image(data, size), want)
+    with Image.open(io.BytesIO(data)) as image:
+        rgb = image.convert("RGB")
+        want = np.asarray(rgb if size is None else rgb.resize(size[::-1], Image.Resampling.BOX))
+    diff = np.abs(decode_image(data, size).astype(int) - want.astype(int))
+    if size is None:
+        assert diff.max() <= (2 if kind == "jpeg" else 0)
+    else:  # noise PNGs differ most between two area filters; a photo far less
+        assert diff.mean() < (4 if kind == "jpeg" else 12)
 
 
 def test_decode_image_refuses_a_truncated_jpeg_and_garbage() -> None:

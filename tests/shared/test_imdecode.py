@@ -1,69 +1,81 @@
-"""The decode flag the agent and the verifier share: reduced by libjpeg, in RGB."""
+"""The decode the agent and the verifier share: reduced by libjpeg-turbo, in RGB."""
 
 from __future__ import annotations
 
 import io
 
-import cv2
 import numpy as np
 import pytest
 from PIL import Image
 
-from shared.images import ImageInfo, probe_image
-from shared.imdecode import DECODES_RGB, decode_flag
+from shared.images import probe_image
+from shared.imdecode import decode_rgb
 
 
-def _image(width: int, height: int, fmt: str) -> bytes:
+def _image(width: int, height: int, fmt: str = "JPEG", mode: str = "RGB") -> bytes:
     """A smooth picture whose three channels differ, so a swapped order shows."""
     ys, xs = np.mgrid[0:height, 0:width]
     pixels = np.stack([xs * 255 // width, ys * 255 // height, np.full_like(xs, 40)], -1)
     buffer = io.BytesIO()
-    Image.fromarray(pixels.astype(np.uint8)).save(buffer, format=fmt, quality=95)
+    Image.fromarray(pixels.astype(np.uint8)).convert(mode).save(buffer, format=fmt, quality=95)
     return buffer.getvalue()
 
 
-def _decode(data: bytes, flag: int) -> np.ndarray:
-    decoded = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
-    assert decoded is not None
-    return decoded
+def _pillow(data: bytes, size: tuple[int, int] | None = None) -> np.ndarray:
+    with Image.open(io.BytesIO(data)) as image:
+        rgb = image.convert("RGB")
+        if size is not None:
+            rgb = rgb.resize(size[::-1], Image.Resampling.BOX)
+        return np.asarray(rgb).astype(int)
 
 
 @pytest.mark.parametrize(
     ("size", "decoded_hw"),
     [
-        ((1024, 768), (96, 128)),  # 1/8: still at least 64 px both ways
-        ((640, 480), (120, 160)),  # 1/4 (1/8 would be 60 px high)
-        ((320, 240), (120, 160)),  # 1/2
-        ((120, 200), (200, 120)),  # too small to reduce
+        ((1920, 1080), (405, 720)),  # 3/8: the smallest eighth still >= 320 both ways
+        ((640, 480), (120, 160)),  # 1/4
+        ((320, 240), (240, 320)),  # already within 2x of 224: whole
     ],
 )
-def test_a_jpeg_is_decoded_as_small_as_stays_at_least_the_model_size(
+def test_a_jpeg_decodes_as_small_as_stays_at_least_the_model_size(
     size: tuple[int, int], decoded_hw: tuple[int, int]
 ) -> None:
-    data = _image(*size, "JPEG")
-    assert _decode(data, decode_flag(probe_image(data), (64, 64))).shape == (*decoded_hw, 3)
+    data = _image(*size)
+    model_hw = {(1920, 1080): (320, 320), (640, 480): (64, 64), (320, 240): (224, 224)}[size]
+    rgb = decode_rgb(data, probe_image(data), model_hw)
+    assert rgb is not None and rgb.shape == (*decoded_hw, 3) and rgb.dtype == np.uint8
+    # The same picture, in RGB order (blue, constant at 40, is last).
+    assert np.abs(rgb.astype(int) - _pillow(data, decoded_hw)).mean() < 3
+    assert abs(float(rgb[..., 2].mean()) - 40) < 2
 
 
-def test_a_png_and_a_frame_for_no_model_size_are_decoded_whole() -> None:
-    png = _image(640, 480, "PNG")
-    assert _decode(png, decode_flag(probe_image(png), (64, 64))).shape == (480, 640, 3)
-    jpeg = _image(640, 480, "JPEG")
-    assert _decode(jpeg, decode_flag(probe_image(jpeg), None)).shape == (480, 640, 3)
+@pytest.mark.parametrize(
+    ("fmt", "mode"), [("JPEG", "RGB"), ("JPEG", "L"), ("PNG", "RGB"), ("PNG", "L")]
+)
+def test_whole_images_are_rgb_whatever_they_hold(fmt: str, mode: str) -> None:
+    data = _image(96, 64, fmt, mode)
+    rgb = decode_rgb(data, probe_image(data), None)
+    assert rgb is not None and rgb.shape == (64, 96, 3)
+    assert np.abs(rgb.astype(int) - _pillow(data)).max() <= (0 if fmt == "PNG" else 2)
 
 
-@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
-def test_the_pixels_are_rgb_and_those_of_a_bgr_decode_converted(fmt: str) -> None:
-    data = _image(320, 240, fmt)
+def test_a_jpeg_at_the_outs_size_is_decoded_into_it_and_only_it() -> None:
+    data = _image(64, 48)
+    batch = np.zeros((3, 48, 64, 3), np.uint8)
+    written = decode_rgb(data, probe_image(data), (48, 64), batch[1])
+    assert written is batch[1] or np.shares_memory(written, batch[1])
+    alone = decode_rgb(data, probe_image(data), (48, 64))
+    assert alone is not None and np.array_equal(batch[1], alone)
+    assert not batch[0].any() and not batch[2].any()
+    # Another size: decoded on its own, ``out`` untouched (the caller resizes into it).
+    larger = _image(100, 75)
+    other = decode_rgb(larger, probe_image(larger), (48, 64), batch[2])
+    assert other is not None and other.shape == (57, 75, 3) and not batch[2].any()
+
+
+def test_a_truncated_or_corrupt_jpeg_is_refused_for_the_caller_to_name() -> None:
+    data = _image(320, 240)
     info = probe_image(data)
-    rgb = _decode(data, decode_flag(info, (64, 64)))
-    bgr = _decode(data, decode_flag(info, (64, 64), rgb=False))
-    if DECODES_RGB:
-        assert np.array_equal(rgb, cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
-        assert abs(float(rgb[..., 2].mean()) - 40) < 2  # blue, constant, is last
-    else:  # an OpenCV before 4.10: BGR either way, converted by the caller
-        assert np.array_equal(rgb, bgr)
-
-
-def test_exif_orientation_is_ignored() -> None:
-    flag = decode_flag(ImageInfo("jpeg", 64, 64), (64, 64))
-    assert flag & cv2.IMREAD_IGNORE_ORIENTATION
+    assert decode_rgb(data[: len(data) // 2], info, (64, 64)) is None
+    corrupt = data[:600] + bytes(len(data) - 600)
+    assert decode_rgb(corrupt, info, (64, 64)) is None
