@@ -1055,6 +1055,9 @@ def _raw_video_loops(
     ``raw_video`` (the goal's baseline) is laid out as the agent's camera source is:
     one thread reads, one prepares, and the calling thread runs batches, so reading,
     preparing and inference overlap; at most ``2 * MAX_BATCH`` frames are read ahead.
+    In a layout that decodes inline, the reader queues the clip's JPEGs and each
+    inference thread decodes its own batch, as the camera source has them decoded
+    where the agent runs several inference threads.
     It reads the clip as the camera source does: a Motion JPEG clip (the bench's) as
     its JPEGs, each decoded at the model's size as an upload is, any other decoded by
     OpenCV and prepared from BGR. ``raw_video_serial`` (for information) does the same
@@ -1116,7 +1119,40 @@ def _raw_video_loops(
             thread.join()
         capture.release()
 
-    return {"raw_video": pipelined, "raw_video_serial": serial}
+    def inline() -> None:
+        # As the camera source reads where several inference threads decode their own
+        # batches: a reader queues the clip's JPEGs as they are, and the thread that
+        # takes a batch decodes it into the batch (an MJPG clip only; else pipelined).
+        capture, jpeg = open_clip()
+        if not jpeg:
+            capture.release()
+            pipelined()
+            return
+        packets: queue.Queue[bytes | None] = queue.Queue(maxsize=2 * MAX_BATCH)
+
+        def reader() -> None:
+            for _ in range(n):
+                packets.put(read(capture, jpeg))  # type: ignore[arg-type]
+            packets.put(None)
+
+        def batches() -> Iterator[list[bytes]]:
+            batch: list[bytes] = []
+            while (packet := packets.get()) is not None:
+                batch.append(packet)
+                if len(batch) == MAX_BATCH:
+                    yield batch
+                    batch = []
+
+        thread = threading.Thread(target=reader, name="raw-read")
+        thread.start()
+        _infer_all(engine, batches(), layout, lambda batch: _decode_batch(batch, hw))
+        thread.join()
+        capture.release()
+
+    return {
+        "raw_video": inline if layout.decode_inline else pipelined,
+        "raw_video_serial": serial,
+    }
 
 
 def _batches_of(
@@ -1409,7 +1445,12 @@ def run(quick: bool = False, *, video: bool = True, only: str = "") -> dict[str,
             )
             if video:
                 video_layout, video_layouts = fastest_layout(
-                    _raw_video_loops, model, clip, video_frames, loop="raw_video"
+                    _raw_video_loops,
+                    model,
+                    clip,
+                    video_frames,
+                    loop="raw_video",
+                    layouts=RAW_JPEG_LAYOUTS,
                 )
                 on_video, on_video_fps = agent_layout(model, clip, seconds=tune_s)
                 vid = _video_rounds(

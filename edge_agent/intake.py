@@ -105,6 +105,15 @@ class FrameSink(Protocol):
 
     def process_upload(self, body: bytes, *, source: str = "http") -> FrameResult: ...
 
+    @property
+    def decodes_uploads_inline(self) -> bool: ...
+
+    def check_upload(self, body: bytes) -> tuple[ImageInfo, bool]: ...
+
+    def answer_checked_upload(
+        self, body: bytes, info: ImageInfo, reply: Reply, *, source: str, block: bool = True
+    ) -> None: ...
+
 
 class FrameSource(Protocol):
     """A source the agent starts and stops with itself (a camera, a folder)."""

@@ -19,10 +19,12 @@ overlaps shrinking the one before, in arrival order.
 
 A Motion JPEG stream that OpenCV reads through FFmpeg (an IP camera's RTSP or HTTP
 stream, an MJPG video file; ``keep_jpeg``, on by default) is read as the camera's own
-JPEG frames instead: the preparation thread decodes each as an upload is decoded, at
-the model's scale (libjpeg's DCT scaling when the frame is at least twice the model's
-size), and a forwarded frame goes to the cloud as the camera encoded it, with no JPEG
-encode on the agent. A stream whose first frame is not a whole JPEG that decodes is
+JPEG frames instead, each decoded as an upload is, at the model's scale (libjpeg's DCT
+scaling), and a forwarded frame goes to the cloud as the camera encoded it, with no
+JPEG encode on the agent. Where several inference threads decode their own batches
+(``Agent.decodes_uploads_inline``), the reader queues each JPEG as it is, and the
+inference thread that takes it decodes it into its batch; otherwise the preparation
+thread decodes it. A stream whose first frame is not a whole JPEG that decodes is
 read decoded, as any other.
 """
 
@@ -267,7 +269,31 @@ class CameraReader:
                 self._waiting = frame
                 return
             self._inflight += 1
-        self._submit(frame)
+        if not (isinstance(frame, bytes) and self._queue_jpeg(frame)):
+            self._submit(frame)
+
+    def _queue_jpeg(self, data: bytes) -> bool:
+        """On the reader thread: queue a JPEG for the inference thread that takes it to
+        decode, into its slot of the batch, where the agent decodes its uploads so (several
+        inference threads) and the image needs no isolated decode. Whether it did (or
+        answered the frame with its refusal); False: the preparation thread decodes it.
+
+        One hand-over fewer a frame and no stacking of the batch: the reference
+        detector's clip (``python -m bench.ab agent --source video``, 10 rounds against
+        the preparation thread decoding) ran at 907 against 886 frames/s, 2.088 against
+        2.140 ms of CPU a frame.
+        """
+        agent = self.agent
+        if not agent.decodes_uploads_inline:
+            return False
+        try:
+            info, isolated = agent.check_upload(data)
+            if isolated:
+                return False
+            agent.answer_checked_upload(data, info, self._done_one, source=self.name)
+        except (EdgeLoopError, queue.Full) as exc:  # refused, stopping, or the queue full
+            self._done_one(None, exc)
+        return True
 
     def _submit(self, frame: Frame) -> None:
         """Hand the frame to the preparation thread (frames come only after ``start``)."""

@@ -321,26 +321,47 @@ def _sample_images(publisher: MemoryPublisher) -> list[bytes]:
     ]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 def test_a_motion_jpeg_file_is_read_as_its_jpegs_and_forwarded_as_they_came(
+    threads: int,
     tmp_path: Path,
     make_settings: Callable[..., AgentSettings],
     engine: object,
     until: Callable[..., bool],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from edge_agent import intake
+
     video = write_video(tmp_path / "clip.avi", frames=5)
     jpegs = _video_jpegs(video)
     assert len(jpegs) == 5 and all(j.startswith(b"\xff\xd8") for j in jpegs)
+    # Who decodes into the batch: with several inference threads, each its own batch's
+    # JPEGs, queued by the reader as they came; with one, the preparation thread, ahead.
+    decoders: set[str] = set()
+    model_tensor = intake.model_tensor
+
+    def recording(*args: Any) -> np.ndarray:
+        decoders.add(threading.current_thread().name)
+        return model_tensor(*args)
+
+    monkeypatch.setattr(intake, "model_tensor", recording)
     publisher = MemoryPublisher()
     settings = make_settings(
         audit_share=1.0,  # every frame forwarded
+        inference_threads=threads,
         cameras=[CameraSource(name="mjpeg-cam", uri=str(video), max_fps=200.0)],
     )
     with Agent(settings, engine=engine, publisher=publisher) as agent:  # type: ignore[arg-type]
         assert until(lambda: len(_sample_images(publisher)) >= 6, timeout=15)  # looped
         status = agent.status()["sources"][0]
     assert status["jpeg"] is True and status["last_error"] is None
+    assert status["answered"] >= 6 and status["dropped"] == 0
     # Each forwarded frame is one of the camera's JPEGs, byte for byte: no re-encode.
     assert all(image in jpegs for image in _sample_images(publisher))
+    if threads == 1:
+        assert decoders == set()
+    else:
+        assert decoders and all(name.startswith("inference-loop") for name in decoders)
 
 
 def test_a_jpeg_read_from_the_stream_gives_the_model_the_picture_of_the_decoded_frame(
