@@ -4,13 +4,13 @@ Limits are checked before any pixel is decoded: the byte count first, then the
 format and dimensions that ``shared.probe_image`` reads from the header alone, so
 a 100-megapixel bomb costs a few microseconds to refuse.
 
-``decode_for_model`` is the upload hot path: OpenCV decodes (releasing the GIL, so
-decoding overlaps inference), a JPEG at least two, four or eight times the model's
-input is decoded at that fraction of its size by the JPEG decoder itself (far
-cheaper than decoding every pixel and shrinking afterwards), straight to RGB
-(``shared.imdecode``), and resized to the model's size, into its slot of the batch
-where the inference thread decodes its own batch (``model_tensor``'s ``out``).
-Anything OpenCV refuses is decoded again by Pillow, whose error says what was wrong.
+``decode_for_model`` is the upload hot path (``shared.imdecode``): libjpeg-turbo
+decodes a JPEG (releasing the GIL, so decoding overlaps inference), scaled inside its
+inverse DCT to the smallest eighth of its size still at least the model's input (far
+cheaper than decoding every pixel and shrinking afterwards), straight to RGB; the
+frame is then resized to the model's size, into its slot of the batch where the
+inference thread decodes its own batch (``model_tensor``'s ``out``). Anything the
+decoder refuses is decoded again by Pillow, whose error says what was wrong.
 
 With a ``DecodePool`` (the agent has one while it runs), the images whose decode
 cost the limits do not bound (progressive JPEGs, many scans) are decoded in its
@@ -215,22 +215,21 @@ def model_tensor(
     """Decode a checked JPEG or PNG (``check_upload``) straight to the model's RGB input,
     written into ``out`` (uint8 [h, w, 3], a slot of the batch) when given."""
     decoded = decode_rgb(data, info, hw, out)
-    if decoded is not None and decoded is out:  # decoded into it: at the model's size
-        return decoded
+    if out is not None and decoded is out:  # decoded into it: at the model's size
+        return out
     if decoded is None:
         # The decoder refused it: Pillow's decoder names the problem (or reads it).
         decoded = _decode_rgb(data, info)
     return resize_for_model(decoded, hw, out)
 
 
-def prepare_bgr(bgr: np.ndarray, hw: tuple[int, int], out: np.ndarray | None = None) -> np.ndarray:
-    """A BGR frame as OpenCV decodes or captures it -> the model's RGB input (in ``out``
-    when given).
+def prepare_bgr(bgr: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
+    """A BGR frame as OpenCV decodes or captures it -> the model's RGB input.
 
     Shrunk first, then converted: the same pixels as converting first, for less work.
     """
     small = resize_for_model(bgr, hw)
-    return cv2.cvtColor(small, cv2.COLOR_BGR2RGB, dst=np.empty_like(small) if out is None else out)
+    return cv2.cvtColor(small, cv2.COLOR_BGR2RGB, dst=np.empty_like(small))
 
 
 def resize_for_model(
