@@ -13,12 +13,15 @@ it stays at least the model's input size:
   whenever another holds it (the reference detector's 320 px frames, with a Python
   thread spinning beside: 787 against 1605 us a frame, 278 against 352 alone).
 - A PNG is decoded by OpenCV, whole (PNG has no reduced decode), in RGB where OpenCV
-  writes it (4.10 and later), else converted.
+  writes it (4.10 and later), else converted; so is a JPEG libjpeg-turbo refuses, since
+  OpenCV's decoder skips what it can (stray bytes between segments, as some cameras
+  write them); a JPEG that does not end with its EOI marker (truncated) is refused
+  instead, whatever OpenCV would fill in.
 - EXIF orientation is ignored either way: the pixels are the ones the camera stored.
 
-None means the decoder refused the bytes (corrupt or truncated data, a colour space
-it does not convert): the caller decodes them with Pillow, whose error says what is
-wrong, or which reads what a strict decoder would not.
+None means the decoders refused the bytes (truncated or corrupt data, a colour space
+they do not convert): the caller decodes them with Pillow, whose error says what is
+wrong, or which reads what they would not.
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ from shared.images import ImageInfo
 
 __all__ = ["decode_rgb"]
 
+_EOI = b"\xff\xd9"
 _RGB: int | None = getattr(cv2, "IMREAD_COLOR_RGB", None)
-# OpenCV's flag for a PNG: colour, in RGB where it writes RGB (else BGR, converted after).
-_PNG_FLAG = (_RGB if _RGB is not None else cv2.IMREAD_COLOR) | cv2.IMREAD_IGNORE_ORIENTATION
+# OpenCV's flag (a PNG, a JPEG libjpeg-turbo refused): colour, in RGB where it writes
+# RGB (else BGR, converted after).
+_OPENCV_FLAG = (_RGB if _RGB is not None else cv2.IMREAD_COLOR) | cv2.IMREAD_IGNORE_ORIENTATION
 
 
 def decode_rgb(
@@ -50,9 +55,11 @@ def decode_rgb(
                 return out
             h, w = size or (0, 0)
             return simplejpeg.decode_jpeg(data, "RGB", min_height=h, min_width=w)
-        except ValueError:  # corrupt or truncated data, or a colour space it cannot convert
-            return None
-    decoded = cv2.imdecode(np.frombuffer(data, np.uint8), _PNG_FLAG)
+        except ValueError:  # a defect, truncation, or a colour space it cannot convert
+            if not data.rstrip(b"\x00").endswith(_EOI):
+                return None  # truncated: never a picture filled out with grey
+            # Else OpenCV's decode, whole, which skips what it can (stray bytes).
+    decoded = cv2.imdecode(np.frombuffer(data, np.uint8), _OPENCV_FLAG)
     if decoded is None or _RGB is not None:
         return decoded
     return cv2.cvtColor(decoded, cv2.COLOR_BGR2RGB)

@@ -79,3 +79,12 @@ def test_a_truncated_or_corrupt_jpeg_is_refused_for_the_caller_to_name() -> None
     assert decode_rgb(data[: len(data) // 2], info, (64, 64)) is None
     corrupt = data[:600] + bytes(len(data) - 600)
     assert decode_rgb(corrupt, info, (64, 64)) is None
+
+
+def test_stray_bytes_between_segments_are_skipped_as_cameras_need() -> None:
+    data = _image(64, 48)
+    scan = data.index(b"\xff\xda")
+    stray = data[:scan] + b"\x12\x34\x56" + data[scan:]  # "extraneous bytes before marker"
+    rgb = decode_rgb(stray, probe_image(stray), None)
+    clean = decode_rgb(data, probe_image(data), None)
+    assert rgb is not None and clean is not None and np.array_equal(rgb, clean)
