@@ -107,11 +107,8 @@ def decode_image(
 
 def _decode_pixels(data: bytes, info: ImageInfo, size: tuple[int, int] | None) -> np.ndarray:
     """``decode_image`` of probed bytes, in this process."""
-    # A lenient JPEG decoder fills a truncated JPEG with grey and says nothing; one that
-    # does not end with its EOI marker goes through Pillow, which refuses it.
-    complete = info.format != "jpeg" or data.endswith(b"\xff\xd9")
-    rgb = decode_rgb(data, info, size) if complete else None  # reduced while >= size, RGB
-    if rgb is None:
+    rgb = decode_rgb(data, info, size)  # reduced while >= size, RGB; None: refused
+    if rgb is None:  # Pillow names the problem (a truncated JPEG), or reads the image
         rgb = _decode_with_pillow(data)
     if size is not None and rgb.shape[:2] != size:
         shrinking = rgb.shape[0] > size[0] or rgb.shape[1] > size[1]

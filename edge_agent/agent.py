@@ -364,15 +364,12 @@ class Agent:
     def decodes_uploads_inline(self) -> bool:
         return self.intake.decodes_uploads_inline
 
-    def check_upload(self, body: bytes) -> tuple[ImageInfo, bool]:
-        """An upload's limits, checked from its header: (info, decode isolated?)."""
-        return self.intake.check_upload(body)
-
-    def answer_checked_upload(
-        self, body: bytes, info: ImageInfo, reply: Reply, *, source: str, block: bool = True
-    ) -> None:
-        """Queue a checked upload, decoded by the inference thread that takes its batch."""
-        self.intake.answer_checked_upload(body, info, reply, source=source, block=block)
+    def queue_undecoded(
+        self, body: bytes, reply: Reply, *, source: str, block: bool = True
+    ) -> bool:
+        """Queue an upload for the inference thread that takes it to decode, where the
+        agent decodes its uploads so; whether it did (``Intake.queue_undecoded``)."""
+        return self.intake.queue_undecoded(body, reply, source=source, block=block)
 
     def process(self, rgb: np.ndarray, *, source: str, **kwargs: Any) -> FrameResult:
         """Answer one frame (blocking)."""

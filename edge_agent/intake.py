@@ -105,14 +105,9 @@ class FrameSink(Protocol):
 
     def process_upload(self, body: bytes, *, source: str = "http") -> FrameResult: ...
 
-    @property
-    def decodes_uploads_inline(self) -> bool: ...
-
-    def check_upload(self, body: bytes) -> tuple[ImageInfo, bool]: ...
-
-    def answer_checked_upload(
-        self, body: bytes, info: ImageInfo, reply: Reply, *, source: str, block: bool = True
-    ) -> None: ...
+    def queue_undecoded(
+        self, body: bytes, reply: Reply, *, source: str, block: bool = True
+    ) -> bool: ...
 
 
 class FrameSource(Protocol):
@@ -339,22 +334,29 @@ class Intake:
         """
         return self.settings.inference_threads > 1
 
-    def check_upload(self, body: bytes) -> tuple[ImageInfo, bool]:
-        """An upload's limits checked from its header (raises ImageRejected): its info,
-        and whether its decode must be isolated (``decode_for_model`` then)."""
+    def queue_undecoded(
+        self, body: bytes, reply: Reply, *, source: str, block: bool = True
+    ) -> bool:
+        """Queue an upload (a JPEG or PNG) as it is, for the inference thread that takes
+        it to decode into its batch, where several inference threads decode their own
+        (``decodes_uploads_inline``) and its decode needs no isolation; whether it did
+        (False: decode it first, ``decode_for_model``, then ``answer_frame``).
+
+        Its limits are checked here, from its header: raises ImageRejected, and, as
+        ``answer_frame`` does, queue.Full or ModelError when it cannot be queued.
+        """
+        if not self.decodes_uploads_inline:
+            return False
+        started = time.perf_counter()
         info, cost = check_upload_cost(
             body, max_bytes=self.settings.max_image_bytes, max_pixels=self.settings.max_pixels
         )
-        return info, self.decode_pool is not None and self.decode_pool.isolates(cost)
-
-    def answer_checked_upload(
-        self, body: bytes, info: ImageInfo, reply: Reply, *, source: str, block: bool = True
-    ) -> None:
-        """Queue a checked upload, decoded by the inference thread that takes it."""
-        started = time.perf_counter()
+        if self.decode_pool is not None and self.decode_pool.isolates(cost):
+            return False
         job = _Job(None, False, source, body, info, started, reply)
         frame = DeferredFrame(functools.partial(model_tensor, body, info))
         self.batcher.submit_job(frame, job, block=block)
+        return True
 
     def _submit(
         self,

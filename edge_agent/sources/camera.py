@@ -22,7 +22,7 @@ stream, an MJPG video file; ``keep_jpeg``, on by default) is read as the camera'
 JPEG frames instead, each decoded as an upload is, at the model's scale (libjpeg's DCT
 scaling), and a forwarded frame goes to the cloud as the camera encoded it, with no
 JPEG encode on the agent. Where several inference threads decode their own batches
-(``Agent.decodes_uploads_inline``), the reader queues each JPEG as it is, and the
+(``Agent.queue_undecoded``), the reader queues each JPEG as it is, and the
 inference thread that takes it decodes it into its batch; otherwise the preparation
 thread decodes it. A stream whose first frame is not a whole JPEG that decodes is
 read decoded, as any other.
@@ -283,17 +283,11 @@ class CameraReader:
         the preparation thread decoding) ran at 907 against 886 frames/s, 2.088 against
         2.140 ms of CPU a frame.
         """
-        agent = self.agent
-        if not agent.decodes_uploads_inline:
-            return False
         try:
-            info, isolated = agent.check_upload(data)
-            if isolated:
-                return False
-            agent.answer_checked_upload(data, info, self._done_one, source=self.name)
+            return self.agent.queue_undecoded(data, self._done_one, source=self.name)
         except (EdgeLoopError, queue.Full) as exc:  # refused, stopping, or the queue full
             self._done_one(None, exc)
-        return True
+            return True
 
     def _submit(self, frame: Frame) -> None:
         """Hand the frame to the preparation thread (frames come only after ``start``)."""

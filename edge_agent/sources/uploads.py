@@ -153,10 +153,8 @@ class Frames:
         outbox.watch(waiter, self.timeout_s)
         if self.inline:  # queued undecoded, never blocking the loop (a full queue: 503)
             try:
-                info, isolated = self.agent.check_upload(body)
-                if not isolated:
-                    reply = self._reply(outbox, waiter)
-                    self.agent.answer_checked_upload(body, info, reply, source=SOURCE, block=False)
+                reply = self._reply(outbox, waiter)
+                if self.agent.queue_undecoded(body, reply, source=SOURCE, block=False):
                     return
             except BaseException as exc:
                 outbox.put(waiter, None, exc)
