@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from shared.imdecode import DecodeFallbackCollector
 from shared.thread_cpu import ThreadCpuCollector
 
 __all__ = ["DISTILL_QUEUE_GAUGES", "CloudMetrics"]
@@ -66,6 +67,7 @@ class CloudMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         r.register(ThreadCpuCollector())
+        r.register(DecodeFallbackCollector())
         self.ingested = Counter(
             "edgeloop_ingest_samples", "Samples stored (new ones)", ["fleet"], registry=r
         )

@@ -18,6 +18,7 @@ import numpy as np
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from shared.imdecode import DecodeFallbackCollector
 from shared.thread_cpu import ThreadCpuCollector
 
 __all__ = ["Telemetry", "gpu_stats"]
@@ -32,6 +33,7 @@ class Telemetry:
         self.registry = CollectorRegistry()
         r = self.registry
         r.register(ThreadCpuCollector())
+        r.register(DecodeFallbackCollector())
         self.frames = Counter("edgeloop_agent_frames", "Frames answered", ["source"], registry=r)
         self.forwarded = Counter(
             "edgeloop_agent_forwarded", "Frames forwarded to the cloud", ["reason"], registry=r

@@ -3,11 +3,15 @@
 Used to check an envelope's image against its header and its pixel limit before
 anything expensive runs. PNG: the signature and the IHDR chunk (CRC checked).
 JPEG: the marker segments up to the first SOFn (baseline, extended, progressive,
-lossless, arithmetic), skipping APPn/DQT/DHT/... segments by their lengths.
+lossless, arithmetic), skipping APPn/DQT/DHT/... segments by their lengths. Bytes
+between one segment and the next marker are skipped, as libjpeg skips them
+("extraneous bytes before marker", which some cameras write): such a JPEG is
+checked like any other, and decoded by OpenCV (``shared.imdecode``).
 
 ``check_jpeg_scans`` walks the whole JPEG marker stream (segments by their lengths,
 entropy-coded data up to the next marker that is neither a stuffed ``FF00`` nor an
-RSTn) and refuses one with more than ``max_scans`` scans before a decoder sees it:
+RSTn, extraneous bytes up to the next marker) and refuses one with more than
+``max_scans`` scans before a decoder sees it:
 each progressive scan re-walks every block of the image, so 100k tiny scans in
 2 MB make a decoder spin for minutes. A baseline JPEG has one scan, libjpeg's
 progressive script ten.
@@ -110,7 +114,7 @@ def probe_image(data: bytes) -> ImageInfo:
     if view[:8] == _PNG_SIGNATURE:
         return _probe_png(view)
     if view[:2] == b"\xff\xd8":
-        return _probe_jpeg(view)
+        return _probe_jpeg(data, view)
     raise ImageFormatError("expected a JPEG or PNG image: the bytes start with neither signature")
 
 
@@ -131,14 +135,16 @@ def _probe_png(view: memoryview) -> ImageInfo:
     return ImageInfo("png", width, height)
 
 
-def _probe_jpeg(view: memoryview) -> ImageInfo:
+def _probe_jpeg(data: bytes, view: memoryview) -> ImageInfo:
     pos = 2
     end = len(view)
     while True:
+        if pos < end and view[pos] != 0xFF:
+            pos = data.find(b"\xff", pos)  # extraneous bytes before the marker: skipped
+            if pos < 0:
+                pos = end
         if pos >= end:
             raise ImageFormatError("JPEG image truncated before its frame (SOF) marker")
-        if view[pos] != 0xFF:
-            raise ImageFormatError(f"JPEG image is malformed: expected a marker at byte {pos}")
         while pos < end and view[pos] == 0xFF:  # any number of fill bytes
             pos += 1
         if pos >= end:
@@ -186,8 +192,11 @@ def _walk_jpeg(data: bytes, max_scans: int) -> tuple[int, bool]:
         return 0, False
     pos, end, scans, progressive = 2, len(view), 0, False
     while pos < end:
-        if view[pos] != 0xFF:
-            raise ImageFormatError(f"JPEG image is malformed: expected a marker at byte {pos}")
+        if view[pos] != 0xFF:  # extraneous bytes before the next marker: skipped
+            skipped_to = data.find(b"\xff", pos)
+            if skipped_to < 0:
+                raise ImageFormatError(f"JPEG image is malformed: no marker after byte {pos}")
+            pos = skipped_to
         while pos < end and view[pos] == 0xFF:  # any number of fill bytes
             pos += 1
         if pos >= end:

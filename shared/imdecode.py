@@ -22,23 +22,80 @@ it stays at least the model's input size:
 None means the decoders refused the bytes (truncated or corrupt data, a colour space
 they do not convert): the caller decodes them with Pillow, whose error says what is
 wrong, or which reads what they would not.
+
+Every JPEG libjpeg-turbo refuses is counted by what became of it
+(``edgeloop_jpeg_fallback_decodes_total{outcome}`` on the agent's and the cloud's
+``/metrics``: ``DecodeFallbackCollector``): ``opencv`` (decoded by OpenCV, at several
+times the cost of a reduced decode), ``refused`` (OpenCV refused it too) or
+``truncated``. A camera whose every frame goes to OpenCV shows there, and so does
+the CPU it costs.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+
 import cv2
 import numpy as np
 import simplejpeg
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from shared.images import ImageInfo
 
-__all__ = ["decode_rgb"]
+__all__ = ["FALLBACK_METRIC", "DecodeFallbackCollector", "decode_rgb", "fallback_decodes"]
+
+FALLBACK_METRIC = "edgeloop_jpeg_fallback_decodes"
+FALLBACK_OUTCOMES = ("opencv", "refused", "truncated")
 
 _EOI = b"\xff\xd9"
 _RGB: int | None = getattr(cv2, "IMREAD_COLOR_RGB", None)
 # OpenCV's flag (a PNG, a JPEG libjpeg-turbo refused): colour, in RGB where it writes
 # RGB (else BGR, converted after).
 _OPENCV_FLAG = (_RGB if _RGB is not None else cv2.IMREAD_COLOR) | cv2.IMREAD_IGNORE_ORIENTATION
+
+
+class _FallbackCounts:
+    """How many JPEGs libjpeg-turbo refused in this process, by outcome (rare: a lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(FALLBACK_OUTCOMES, 0)
+
+    def add(self, outcome: str) -> None:
+        with self._lock:
+            self._counts[outcome] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+_FALLBACKS = _FallbackCounts()
+
+
+def fallback_decodes() -> dict[str, int]:
+    """JPEGs libjpeg-turbo refused in this process so far, by outcome (module doc)."""
+    return _FALLBACKS.snapshot()
+
+
+class DecodeFallbackCollector(Collector):
+    """Exports :func:`fallback_decodes` at each scrape."""
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            FALLBACK_METRIC,
+            "JPEGs libjpeg-turbo refused, by outcome: decoded by OpenCV, refused by it too,"
+            " truncated",
+            labels=["outcome"],
+        )
+        for outcome, count in fallback_decodes().items():
+            family.add_metric([outcome], count)
+        yield family
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        return iter(())
 
 
 def decode_rgb(
@@ -57,8 +114,16 @@ def decode_rgb(
             return simplejpeg.decode_jpeg(data, "RGB", min_height=h, min_width=w)
         except ValueError:  # a defect, truncation, or a colour space it cannot convert
             if not data.rstrip(b"\x00").endswith(_EOI):
+                _FALLBACKS.add("truncated")
                 return None  # truncated: never a picture filled out with grey
             # Else OpenCV's decode, whole, which skips what it can (stray bytes).
+            decoded = _opencv(data)
+            _FALLBACKS.add("refused" if decoded is None else "opencv")
+            return decoded
+    return _opencv(data)
+
+
+def _opencv(data: bytes) -> np.ndarray | None:
     decoded = cv2.imdecode(np.frombuffer(data, np.uint8), _OPENCV_FLAG)
     if decoded is None or _RGB is not None:
         return decoded

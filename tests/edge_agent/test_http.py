@@ -267,3 +267,25 @@ def test_metrics_show_the_cpu_of_the_agents_threads(
     }
     assert "other" in threads
     assert any(name.startswith("inference") for name in threads), threads
+
+
+def test_a_jpeg_with_stray_bytes_is_answered_and_its_slow_decode_counted(
+    client: httpx.Client, make_image: Callable[..., bytes]
+) -> None:
+    data = make_image(64, 48)
+    scan = data.index(b"\xff\xda")
+    stray = data[:scan] + b"\x12\x34\x56" + data[scan:]  # as some cameras write them
+
+    def by_opencv() -> float:
+        prefix = 'edgeloop_jpeg_fallback_decodes_total{outcome="opencv"} '
+        lines = client.get("/metrics").text.splitlines()
+        return next(float(line[len(prefix) :]) for line in lines if line.startswith(prefix))
+
+    before = by_opencv()
+    answered = client.post("/v1/frames", content=stray, headers={"Content-Type": "image/jpeg"})
+    assert answered.status_code == 200, answered.text
+    clean = client.post("/v1/frames", content=data, headers={"Content-Type": "image/jpeg"})
+    # Decoded whole by OpenCV, then shrunk: the same picture, not the same pixels as the
+    # reduced decode's.
+    assert len(answered.json()["scores"]) == len(clean.json()["scores"])
+    assert by_opencv() == before + 1

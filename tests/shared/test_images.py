@@ -113,8 +113,12 @@ def test_jpeg_header_checks() -> None:
         probe_image(b"\xff\xd8\xff\xda\x00\x02")  # scan before any frame header
     with pytest.raises(ImageFormatError, match="invalid length"):
         probe_image(b"\xff\xd8\xff\xe0\x00\x01")
-    with pytest.raises(ImageFormatError, match="expected a marker"):
-        probe_image(b"\xff\xd8\x00\x00")
+    with pytest.raises(ImageFormatError, match="truncated before its frame"):
+        probe_image(b"\xff\xd8\x00\x00")  # no marker after the SOI at all
+    # Bytes between segments are skipped to the next marker, as libjpeg skips them.
+    sof_5x16 = b"\xff\xc0" + struct.pack(">HBHHB", 11, 8, 5, 16, 1) + b"\x01\x11\x00"
+    stray = b"\xff\xd8\xff\xe0\x00\x04\x00\x00\x12\x34" + sof_5x16
+    assert probe_image(stray) == ImageInfo("jpeg", 16, 5)
     fill_and_restart = b"\xff\xd8\xff\xff\xd0" + b"\xff\xc2" + struct.pack(">HBHHB", 11, 8, 9, 7, 1)
     assert probe_image(fill_and_restart + b"\x01\x11\x00") == ImageInfo("jpeg", 7, 9)
 

@@ -7,9 +7,10 @@ import io
 import numpy as np
 import pytest
 from PIL import Image
+from prometheus_client import CollectorRegistry, generate_latest
 
 from shared.images import probe_image
-from shared.imdecode import decode_rgb
+from shared.imdecode import DecodeFallbackCollector, decode_rgb, fallback_decodes
 
 
 def _image(width: int, height: int, fmt: str = "JPEG", mode: str = "RGB") -> bytes:
@@ -88,3 +89,32 @@ def test_stray_bytes_between_segments_are_skipped_as_cameras_need() -> None:
     rgb = decode_rgb(stray, probe_image(stray), None)
     clean = decode_rgb(data, probe_image(data), None)
     assert rgb is not None and clean is not None and np.array_equal(rgb, clean)
+
+
+def _delta(before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before[k] for k, v in fallback_decodes().items() if v != before[k]}
+
+
+def test_each_jpeg_libjpeg_turbo_refuses_is_counted_by_what_became_of_it() -> None:
+    data = _image(64, 48)
+    scan = data.index(b"\xff\xda")
+    stray = data[:scan] + b"\x12\x34\x56" + data[scan:]
+    before = fallback_decodes()
+    decode_rgb(data, probe_image(data), None)
+    assert _delta(before) == {}  # the usual path counts nothing
+    assert decode_rgb(stray, probe_image(stray), None) is not None
+    assert _delta(before) == {"opencv": 1}
+    assert decode_rgb(data[: len(data) // 2], probe_image(data), None) is None
+    assert _delta(before) == {"opencv": 1, "truncated": 1}
+    whole_but_broken = data[:600] + b"\x00" * 50 + b"\xff\xd9"
+    assert decode_rgb(whole_but_broken, probe_image(data), None) is None
+    assert _delta(before) == {"opencv": 1, "truncated": 1, "refused": 1}
+
+
+def test_the_counts_are_on_metrics_pages() -> None:
+    registry = CollectorRegistry()
+    registry.register(DecodeFallbackCollector())
+    page = generate_latest(registry).decode()
+    counts = fallback_decodes()
+    for outcome, count in counts.items():
+        assert f'edgeloop_jpeg_fallback_decodes_total{{outcome="{outcome}"}} {float(count)}' in page

@@ -41,6 +41,16 @@ def test_restart_markers_and_stuffing_are_not_scans() -> None:
     assert check_jpeg_scans(data) == 1
 
 
+def test_extraneous_bytes_before_a_marker_are_skipped_as_libjpeg_skips_them() -> None:
+    data = _baseline_jpeg()
+    scan = data.index(b"\xff\xda")
+    assert check_jpeg_scans(data[:scan] + b"\x12\x34\x56" + data[scan:]) == 1
+    bomb = scan_bomb(MAX_JPEG_SCANS + 1)
+    scan = bomb.index(b"\xff\xda")
+    with pytest.raises(JpegScanLimitError):  # stray bytes hide no scan
+        check_jpeg_scans(bomb[:scan] + b"\x00\x12" + bomb[scan:])
+
+
 def test_scan_bomb_is_refused() -> None:
     bomb = scan_bomb(MAX_JPEG_SCANS + 1)
     with pytest.raises(JpegScanLimitError) as refused:
