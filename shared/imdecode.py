@@ -28,7 +28,8 @@ Every JPEG libjpeg-turbo refuses is counted by what became of it
 ``/metrics``: ``DecodeFallbackCollector``): ``opencv`` (decoded by OpenCV, at several
 times the cost of a reduced decode), ``refused`` (OpenCV refused it too) or
 ``truncated``. A camera whose every frame goes to OpenCV shows there, and so does
-the CPU it costs.
+the CPU it costs. The counts are the serving process's own: an image decoded in a
+``shared.decode_pool`` worker process (a progressive or costly JPEG) is not counted.
 """
 
 from __future__ import annotations
