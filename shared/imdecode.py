@@ -45,10 +45,7 @@ from prometheus_client.registry import Collector
 
 from shared.images import ImageInfo
 
-__all__ = ["FALLBACK_METRIC", "DecodeFallbackCollector", "decode_rgb", "fallback_decodes"]
-
-FALLBACK_METRIC = "edgeloop_jpeg_fallback_decodes"
-FALLBACK_OUTCOMES = ("opencv", "refused", "truncated")
+__all__ = ["DecodeFallbackCollector", "decode_rgb", "fallback_decodes"]
 
 _EOI = b"\xff\xd9"
 _RGB: int | None = getattr(cv2, "IMREAD_COLOR_RGB", None)
@@ -57,28 +54,20 @@ _RGB: int | None = getattr(cv2, "IMREAD_COLOR_RGB", None)
 _OPENCV_FLAG = (_RGB if _RGB is not None else cv2.IMREAD_COLOR) | cv2.IMREAD_IGNORE_ORIENTATION
 
 
-class _FallbackCounts:
-    """How many JPEGs libjpeg-turbo refused in this process, by outcome (rare: a lock)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts = dict.fromkeys(FALLBACK_OUTCOMES, 0)
-
-    def add(self, outcome: str) -> None:
-        with self._lock:
-            self._counts[outcome] += 1
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
+# JPEGs libjpeg-turbo refused in this process, by outcome (rare: a lock is cheap here).
+_fallbacks = dict.fromkeys(("opencv", "refused", "truncated"), 0)
+_fallbacks_lock = threading.Lock()
 
 
-_FALLBACKS = _FallbackCounts()
+def _count_fallback(outcome: str) -> None:
+    with _fallbacks_lock:
+        _fallbacks[outcome] += 1
 
 
 def fallback_decodes() -> dict[str, int]:
     """JPEGs libjpeg-turbo refused in this process so far, by outcome (module doc)."""
-    return _FALLBACKS.snapshot()
+    with _fallbacks_lock:
+        return dict(_fallbacks)
 
 
 class DecodeFallbackCollector(Collector):
@@ -86,7 +75,7 @@ class DecodeFallbackCollector(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily(
-            FALLBACK_METRIC,
+            "edgeloop_jpeg_fallback_decodes",
             "JPEGs libjpeg-turbo refused, by outcome: decoded by OpenCV, refused by it too,"
             " truncated",
             labels=["outcome"],
@@ -115,11 +104,11 @@ def decode_rgb(
             return simplejpeg.decode_jpeg(data, "RGB", min_height=h, min_width=w)
         except ValueError:  # a defect, truncation, or a colour space it cannot convert
             if not data.rstrip(b"\x00").endswith(_EOI):
-                _FALLBACKS.add("truncated")
+                _count_fallback("truncated")
                 return None  # truncated: never a picture filled out with grey
             # Else OpenCV's decode, whole, which skips what it can (stray bytes).
             decoded = _opencv(data)
-            _FALLBACKS.add("refused" if decoded is None else "opencv")
+            _count_fallback("refused" if decoded is None else "opencv")
             return decoded
     return _opencv(data)
 

@@ -112,9 +112,14 @@ def test_each_jpeg_libjpeg_turbo_refuses_is_counted_by_what_became_of_it() -> No
 
 
 def test_the_counts_are_on_metrics_pages() -> None:
+    data = _image(64, 48)
+    scan = data.index(b"\xff\xda")
+    stray = data[:scan] + b"\x12\x34\x56" + data[scan:]
+    decode_rgb(stray, probe_image(stray), None)  # at least one count that is not zero
     registry = CollectorRegistry()
     registry.register(DecodeFallbackCollector())
     page = generate_latest(registry).decode()
     counts = fallback_decodes()
+    assert counts["opencv"] >= 1
     for outcome, count in counts.items():
         assert f'edgeloop_jpeg_fallback_decodes_total{{outcome="{outcome}"}} {float(count)}' in page
